@@ -1,0 +1,236 @@
+// Shared pieces of the CPU kernels: dtype conversion, the deterministic
+// parallel-for over the XLA FFI thread pool, and the blocked row reductions.
+#ifndef JAX_NORMGRAD_CSRC_COMMON_H_
+#define JAX_NORMGRAD_CSRC_COMMON_H_
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_normgrad {
+
+namespace ffi = xla::ffi;
+
+// ---------------------------------------------------------------------------
+// Element types. Kernels are templated on a storage type; all arithmetic is
+// float32 (converted in registers, never as a float32 copy of a tensor).
+
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+inline float ToFloat(float v) { return v; }
+inline float ToFloat(BF16 v) {
+  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline float ToFloat(F16 v) {
+  _Float16 h;
+  std::memcpy(&h, &v.bits, sizeof(h));
+  return static_cast<float>(h);
+}
+
+template <typename T>
+inline T FromFloat(float v);
+template <>
+inline float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+inline BF16 FromFloat<BF16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it a (quiet) NaN.
+    return BF16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  }
+  // Round to nearest even.
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return BF16{static_cast<uint16_t>(u >> 16)};
+}
+template <>
+inline F16 FromFloat<F16>(float v) {
+  _Float16 h = static_cast<_Float16>(v);
+  F16 out;
+  std::memcpy(&out.bits, &h, sizeof(out.bits));
+  return out;
+}
+
+// Calls `fn.template operator()<T>()` with the storage type of `dtype`, or
+// returns an error for a dtype the kernels do not support.
+template <typename Fn>
+ffi::Error DispatchFloat(ffi::DataType dtype, const char* what, Fn&& fn) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      return fn(float{});
+    case ffi::DataType::BF16:
+      return fn(BF16{});
+    case ffi::DataType::F16:
+      return fn(F16{});
+    default:
+      return ffi::Error::InvalidArgument(std::string(what) +
+                                         ": unsupported dtype (expected float32, "
+                                         "float16 or bfloat16)");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Deterministic parallel-for on the FFI thread pool.
+//
+// The work is split into `num_tasks` pieces by the caller from the problem
+// shape alone, so the arithmetic (and every float result) does not depend on
+// how many threads run it or in which order. Threads claim task indices from
+// a shared counter and the calling thread claims too, so it never waits on a
+// task that nobody has started: no deadlock even when the pool is busy
+// running other custom calls.
+template <typename Fn>
+void ParallelFor(ffi::ThreadPool* pool, int64_t num_tasks, const Fn& fn) {
+  if (num_tasks <= 0) return;
+  int64_t threads = pool ? pool->num_threads() : 0;
+  if (num_tasks == 1 || threads <= 1) {
+    for (int64_t i = 0; i < num_tasks; ++i) fn(i);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  const Fn* fn_ptr = &fn;
+  // A task that starts after all indices are claimed returns without touching
+  // `fn`, which may be gone by then; `state` is kept alive by shared_ptr.
+  auto worker = [state, fn_ptr, num_tasks]() {
+    for (;;) {
+      int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= num_tasks) return;
+      (*fn_ptr)(i);
+      if (state->done.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->cv.notify_all();
+      }
+    }
+  };
+  int64_t helpers = std::min<int64_t>(threads, num_tasks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool->Schedule(decltype(worker)(worker));
+  worker();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] {
+    return state->done.load(std::memory_order_acquire) == num_tasks;
+  });
+}
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Splits `n` items into at most `max_tasks` contiguous blocks of at least
+// `min_per_task` items. Depends only on its arguments (determinism).
+inline int64_t NumTasks(int64_t n, int64_t min_per_task, int64_t max_tasks) {
+  if (n <= 0) return 0;
+  int64_t t = CeilDiv(n, std::max<int64_t>(min_per_task, 1));
+  return std::max<int64_t>(1, std::min(t, max_tasks));
+}
+// [begin, end) of block `i` when `n` items are split into `num_tasks` blocks.
+inline int64_t BlockBegin(int64_t n, int64_t num_tasks, int64_t i) {
+  return (n / num_tasks) * i + std::min(i, n % num_tasks);
+}
+
+// Rows [0, M) in `groups` equal contiguous groups, each split into
+// `per_group` tasks; task t covers rows [begin(t), end(t)) of group(t).
+class RowGroupTasks {
+ public:
+  RowGroupTasks(int64_t rows, int64_t groups, int64_t per_group)
+      : rows_per_group_(rows / groups), groups_(groups), per_group_(per_group) {}
+  int64_t num_tasks() const { return groups_ * per_group_; }
+  int64_t group(int64_t t) const { return t / per_group_; }
+  int64_t begin(int64_t t) const {
+    return group(t) * rows_per_group_ + BlockBegin(rows_per_group_, per_group_, t % per_group_);
+  }
+  int64_t end(int64_t t) const {
+    return group(t) * rows_per_group_ + BlockBegin(rows_per_group_, per_group_, t % per_group_ + 1);
+  }
+
+ private:
+  int64_t rows_per_group_, groups_, per_group_;
+};
+
+// The most tasks a kernel splits into. A constant, not the thread count, so
+// results are bitwise the same on every machine.
+constexpr int64_t kMaxTasks = 32;
+// Work below this many elements per task is not worth a thread hop.
+constexpr int64_t kMinElementsPerTask = 1 << 15;
+
+// ---------------------------------------------------------------------------
+// Blocked accumulation: kLanes independent float32 partial sums, combined in
+// a fixed tree at the end. The compiler vectorizes the lanes (no -ffast-math
+// reassociation needed) and the result is the same on every run.
+constexpr int kLanes = 16;
+
+struct Lanes {
+  float v[kLanes];
+  Lanes() {
+    for (int k = 0; k < kLanes; ++k) v[k] = 0.f;
+  }
+  float Sum() const {
+    float t[kLanes];
+    for (int k = 0; k < kLanes; ++k) t[k] = v[k];
+    for (int w = kLanes / 2; w > 0; w /= 2)
+      for (int k = 0; k < w; ++k) t[k] += t[k + w];
+    return t[0];
+  }
+};
+
+// Calls f(lane, j) for j in [0, n), lane = j % kLanes, in a fixed order.
+template <typename F>
+inline void RowLoop(int64_t n, const F& f) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) f(k, j + k);
+  for (int k = 0; j < n; ++j, ++k) f(k, j);
+}
+
+// out[h] = sum over t of partials[t * n + h], t ascending (fixed order).
+inline void SumPartials(ffi::ThreadPool* pool, const float* partials, float* out,
+                        int64_t num_partials, int64_t n) {
+  if (!partials || !out) return;
+  const int64_t tasks = NumTasks(n, kMinElementsPerTask / std::max<int64_t>(num_partials, 1), kMaxTasks);
+  ParallelFor(pool, tasks, [&](int64_t t) {
+    const int64_t begin = BlockBegin(n, tasks, t), end = BlockBegin(n, tasks, t + 1);
+    std::copy(partials + begin, partials + end, out + begin);
+    for (int64_t p = 1; p < num_partials; ++p) {
+      const float* src = partials + p * n;
+      for (int64_t h = begin; h < end; ++h) out[h] += src[h];
+    }
+  });
+}
+
+// Returns an error when `buffer` does not hold `expected` elements.
+inline ffi::Error CheckSize(const char* name, int64_t actual, int64_t expected) {
+  if (actual != expected) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": expected " +
+                                       std::to_string(expected) + " elements, got " +
+                                       std::to_string(actual));
+  }
+  return ffi::Error::Success();
+}
+
+#define JNG_RETURN_IF_ERROR(expr)         \
+  do {                                    \
+    ::xla::ffi::Error _err = (expr);      \
+    if (_err.failure()) return _err;      \
+  } while (0)
+
+}  // namespace jax_normgrad
+
+#endif  // JAX_NORMGRAD_CSRC_COMMON_H_

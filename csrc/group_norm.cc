@@ -1,0 +1,423 @@
+// GroupNorm forward-with-statistics and backward as XLA FFI handlers (CPU).
+//
+// x is (N, C, HW) (channels_last=false) or (N, HW, C) (channels_last=true),
+// both read in place, never transposed. Statistics are (N, G) float32; gamma
+// and beta arrive as float32 (C). Each (n, g) block has D = C/G * HW elements.
+//
+// Backward, per block (means over the block, g = dy * gamma[c]):
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+// computed from per-(n, c) sums db = sum_hw dy and ds = sum_hw dy * (x - mean):
+//   sum(g) = sum_c gamma[c] db[n,c],  sum(g xhat) = rstd sum_c gamma[c] ds[n,c],
+//   dgamma[c] = sum_n rstd[n,g] ds[n,c],  dbeta[c] = sum_n db[n,c]  (n ascending).
+#include <cmath>
+#include <vector>
+
+#include "kernels.h"
+
+namespace jax_normgrad {
+namespace {
+
+struct GnShape {
+  int64_t N, C, HW, G, Cg;
+  int64_t W = 1;  // parameter groups: sample n uses gamma/beta row n / (N / W).
+  int64_t D() const { return Cg * HW; }
+  // The per-channel parameter row of sample n, or nullptr when absent.
+  const float* ParamRow(const float* p, int64_t n) const {
+    return p ? p + (n / (N / W)) * C : nullptr;
+  }
+};
+
+// The number of hw-chunks per sample for channels-last kernels: enough tasks
+// to occupy the pool, each at least kMinElementsPerTask. Shape-only.
+int64_t ChunksPerSample(const GnShape& s) {
+  if (s.HW == 0) return 1;
+  int64_t p = CeilDiv(kMaxTasks, std::max<int64_t>(s.N, 1));
+  p = std::min(p, std::max<int64_t>(1, (s.HW * s.C) / kMinElementsPerTask));
+  return std::max<int64_t>(1, std::min(p, s.HW));
+}
+
+// Channels-last: for every sample n and chunk p of its hw range, calls
+// fn(n, hw_begin, hw_end, task_index) on the pool. Task index = n * P + p.
+template <typename Fn>
+void ForEachHwChunk(ffi::ThreadPool* pool, const GnShape& s, int64_t P, const Fn& fn) {
+  const int64_t per_task = std::max<int64_t>(1, CeilDiv(kMinElementsPerTask, std::max<int64_t>(s.HW * s.C / P, 1)));
+  const int64_t units = s.N * P;
+  const int64_t tasks = NumTasks(units, per_task, kMaxTasks);
+  ParallelFor(pool, tasks, [&](int64_t t) {
+    for (int64_t u = BlockBegin(units, tasks, t); u < BlockBegin(units, tasks, t + 1); ++u) {
+      const int64_t n = u / P, p = u % P;
+      fn(n, BlockBegin(s.HW, P, p), BlockBegin(s.HW, P, p + 1), u);
+    }
+  });
+}
+
+// Channels-last column sums: out[n*C + c] = sum_hw f(n, hw, c), accumulated
+// per chunk then over chunks in order.
+template <typename Fn>
+void ColumnSums(ffi::ThreadPool* pool, const GnShape& s, const Fn& f, float* out) {
+  const int64_t P = ChunksPerSample(s);
+  std::vector<float> part(static_cast<size_t>(s.N * P * s.C), 0.f);
+  ForEachHwChunk(pool, s, P, [&](int64_t n, int64_t hb, int64_t he, int64_t u) {
+    float* acc = part.data() + u * s.C;
+    for (int64_t hw = hb; hw < he; ++hw) f(n, hw, acc);
+  });
+  for (int64_t n = 0; n < s.N; ++n) {
+    float* o = out + n * s.C;
+    std::copy(part.data() + n * P * s.C, part.data() + (n * P + 1) * s.C, o);
+    for (int64_t p = 1; p < P; ++p) {
+      const float* src = part.data() + (n * P + p) * s.C;
+      for (int64_t c = 0; c < s.C; ++c) o[c] += src[c];
+    }
+  }
+}
+
+// Per-(n, c) values of per-(n, g) statistics, so channels-last inner loops run
+// over contiguous c.
+std::vector<float> ExpandGroups(const GnShape& s, const float* per_group) {
+  std::vector<float> out(static_cast<size_t>(s.N * s.C));
+  for (int64_t n = 0; n < s.N; ++n)
+    for (int64_t c = 0; c < s.C; ++c) out[n * s.C + c] = per_group[n * s.G + c / s.Cg];
+  return out;
+}
+
+// Group statistic from per-(n, c) sums: out[n, g] = sum_{c in g} v[n, c] * scale.
+void GroupSums(const GnShape& s, const float* v, float scale, float* out) {
+  for (int64_t n = 0; n < s.N; ++n)
+    for (int64_t g = 0; g < s.G; ++g) {
+      float acc = 0.f;
+      for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) acc += v[n * s.C + c];
+      out[n * s.G + g] = acc * scale;
+    }
+}
+
+template <typename T>
+void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
+                      const float* b, float eps, T* y, float* mean, float* rstd) {
+  const int64_t D = s.D(), blocks = s.N * s.G;
+  const float inv_d = 1.0f / static_cast<float>(D);
+  const int64_t tasks = NumTasks(blocks, CeilDiv(kMinElementsPerTask, D), kMaxTasks);
+  ParallelFor(pool, tasks, [&](int64_t t) {
+    for (int64_t bi = BlockBegin(blocks, tasks, t); bi < BlockBegin(blocks, tasks, t + 1); ++bi) {
+      const int64_t n = bi / s.G, g = bi % s.G;
+      const int64_t off = (n * s.C + g * s.Cg) * s.HW;
+      const T* xb = x + off;
+      Lanes sx;
+      RowLoop(D, [&](int k, int64_t j) { sx.v[k] += ToFloat(xb[j]); });
+      const float mu = sx.Sum() * inv_d;
+      Lanes sq;
+      RowLoop(D, [&](int k, int64_t j) {
+        float d = ToFloat(xb[j]) - mu;
+        sq.v[k] += d * d;
+      });
+      const float rs = 1.0f / std::sqrt(sq.Sum() * inv_d + eps);
+      mean[bi] = mu;
+      rstd[bi] = rs;
+      const float* wn = s.ParamRow(w, n);
+      const float* bn = s.ParamRow(b, n);
+      for (int64_t ci = 0; ci < s.Cg; ++ci) {
+        const int64_t c = g * s.Cg + ci;
+        const float a = wn ? wn[c] : 1.f, bb = bn ? bn[c] : 0.f;
+        const T* xc = xb + ci * s.HW;
+        T* yc = y + off + ci * s.HW;
+        for (int64_t j = 0; j < s.HW; ++j) yc[j] = FromFloat<T>((ToFloat(xc[j]) - mu) * rs * a + bb);
+      }
+    }
+  });
+}
+
+template <typename T>
+void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
+                      const float* b, float eps, T* y, float* mean, float* rstd) {
+  const float inv_d = 1.0f / static_cast<float>(s.D());
+  std::vector<float> col(static_cast<size_t>(s.N * s.C));
+  ColumnSums(pool, s, [&](int64_t n, int64_t hw, float* acc) {
+    const T* xr = x + (n * s.HW + hw) * s.C;
+    for (int64_t c = 0; c < s.C; ++c) acc[c] += ToFloat(xr[c]);
+  }, col.data());
+  GroupSums(s, col.data(), inv_d, mean);
+  std::vector<float> mu_c = ExpandGroups(s, mean);
+  ColumnSums(pool, s, [&](int64_t n, int64_t hw, float* acc) {
+    const T* xr = x + (n * s.HW + hw) * s.C;
+    const float* mu = mu_c.data() + n * s.C;
+    for (int64_t c = 0; c < s.C; ++c) {
+      float d = ToFloat(xr[c]) - mu[c];
+      acc[c] += d * d;
+    }
+  }, col.data());
+  GroupSums(s, col.data(), inv_d, rstd);
+  for (int64_t i = 0; i < s.N * s.G; ++i) rstd[i] = 1.0f / std::sqrt(rstd[i] + eps);
+  // y = xhat * w + b as y = x * a[c] + k[c] per (n, c).
+  std::vector<float> rs_c = ExpandGroups(s, rstd);
+  ForEachHwChunk(pool, s, ChunksPerSample(s), [&](int64_t n, int64_t hb, int64_t he, int64_t) {
+    const float* mu = mu_c.data() + n * s.C;
+    const float* rs = rs_c.data() + n * s.C;
+    const float* wn = s.ParamRow(w, n);
+    const float* bn = s.ParamRow(b, n);
+    for (int64_t hw = hb; hw < he; ++hw) {
+      const T* xr = x + (n * s.HW + hw) * s.C;
+      T* yr = y + (n * s.HW + hw) * s.C;
+      for (int64_t c = 0; c < s.C; ++c) {
+        float v = (ToFloat(xr[c]) - mu[c]) * rs[c];
+        if (wn) v *= wn[c];
+        if (bn) v += bn[c];
+        yr[c] = FromFloat<T>(v);
+      }
+    }
+  });
+}
+
+// Fills db[n*C + c] = sum_hw dy and ds[n*C + c] = sum_hw dy * (x - mean[n, g]),
+// and, when dx != nullptr, writes dx. NCHW: one task owns whole (n, g) blocks,
+// so a block's second pass finds x and dy in cache.
+template <typename T>
+void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* dy, const T* x,
+                      const float* mean, const float* rstd, const float* gamma, T* dx,
+                      float* db, float* ds) {
+  const int64_t D = s.D(), blocks = s.N * s.G;
+  const float inv_d = 1.0f / static_cast<float>(D);
+  const int64_t tasks = NumTasks(blocks, CeilDiv(kMinElementsPerTask, std::max<int64_t>(D, 1)), kMaxTasks);
+  ParallelFor(pool, tasks, [&](int64_t t) {
+    for (int64_t bi = BlockBegin(blocks, tasks, t); bi < BlockBegin(blocks, tasks, t + 1); ++bi) {
+      const int64_t n = bi / s.G, g = bi % s.G;
+      const float mu = mean[bi], rs = rstd[bi];
+      const float* gn = s.ParamRow(gamma, n);
+      float sum_g = 0.f, sum_gx = 0.f;
+      for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
+        const T* dyc = dy + (n * s.C + c) * s.HW;
+        const T* xc = x + (n * s.C + c) * s.HW;
+        Lanes sd, sdx;
+        RowLoop(s.HW, [&](int k, int64_t j) {
+          float d = ToFloat(dyc[j]);
+          sd.v[k] += d;
+          sdx.v[k] += d * (ToFloat(xc[j]) - mu);
+        });
+        const float dbc = sd.Sum(), dsc = sdx.Sum();
+        db[n * s.C + c] = dbc;
+        ds[n * s.C + c] = dsc;
+        const float gm = gn ? gn[c] : 1.f;
+        sum_g += gm * dbc;
+        sum_gx += gm * dsc;
+      }
+      if (!dx) continue;
+      const float c1 = sum_g * inv_d, c2 = sum_gx * rs * inv_d;
+      for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
+        const T* dyc = dy + (n * s.C + c) * s.HW;
+        const T* xc = x + (n * s.C + c) * s.HW;
+        T* dxc = dx + (n * s.C + c) * s.HW;
+        const float gm = gn ? gn[c] : 1.f;
+        for (int64_t j = 0; j < s.HW; ++j) {
+          float xh = (ToFloat(xc[j]) - mu) * rs;
+          dxc[j] = FromFloat<T>(rs * (ToFloat(dyc[j]) * gm - c1 - xh * c2));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* dy, const T* x,
+                      const float* mean, const float* rstd, const float* gamma, T* dx,
+                      float* db, float* ds) {
+  std::vector<float> mu_c = ExpandGroups(s, mean);
+  // Interleaved [db, ds] column sums in one pass over x and dy.
+  GnShape s2 = s;
+  s2.C = 2 * s.C;
+  std::vector<float> both(static_cast<size_t>(s.N * 2 * s.C));
+  ColumnSums(pool, s2, [&](int64_t n, int64_t hw, float* acc) {
+    const T* dyr = dy + (n * s.HW + hw) * s.C;
+    const T* xr = x + (n * s.HW + hw) * s.C;
+    const float* mu = mu_c.data() + n * s.C;
+    float* adb = acc;
+    float* ads = acc + s.C;
+    for (int64_t c = 0; c < s.C; ++c) {
+      float d = ToFloat(dyr[c]);
+      adb[c] += d;
+      ads[c] += d * (ToFloat(xr[c]) - mu[c]);
+    }
+  }, both.data());
+  for (int64_t n = 0; n < s.N; ++n) {
+    std::copy(both.data() + 2 * n * s.C, both.data() + (2 * n + 1) * s.C, db + n * s.C);
+    std::copy(both.data() + (2 * n + 1) * s.C, both.data() + (2 * n + 2) * s.C, ds + n * s.C);
+  }
+  if (!dx) return;
+  // Per-(n, c) coefficients: dx = rs * (dy * gamma - c1 - xhat * c2).
+  const float inv_d = 1.0f / static_cast<float>(s.D());
+  std::vector<float> rs_c = ExpandGroups(s, rstd);
+  std::vector<float> c1_c(static_cast<size_t>(s.N * s.C)), c2_c(static_cast<size_t>(s.N * s.C));
+  for (int64_t n = 0; n < s.N; ++n)
+    for (int64_t g = 0; g < s.G; ++g) {
+      const float* gn = s.ParamRow(gamma, n);
+      float sum_g = 0.f, sum_gx = 0.f;
+      for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
+        const float gm = gn ? gn[c] : 1.f;
+        sum_g += gm * db[n * s.C + c];
+        sum_gx += gm * ds[n * s.C + c];
+      }
+      const float rs = rstd[n * s.G + g];
+      for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
+        c1_c[n * s.C + c] = sum_g * inv_d;
+        c2_c[n * s.C + c] = sum_gx * rs * inv_d;
+      }
+    }
+  ForEachHwChunk(pool, s, ChunksPerSample(s), [&](int64_t n, int64_t hb, int64_t he, int64_t) {
+    const float* mu = mu_c.data() + n * s.C;
+    const float* rs = rs_c.data() + n * s.C;
+    const float* c1 = c1_c.data() + n * s.C;
+    const float* c2 = c2_c.data() + n * s.C;
+    const float* gn = s.ParamRow(gamma, n);
+    for (int64_t hw = hb; hw < he; ++hw) {
+      const T* dyr = dy + (n * s.HW + hw) * s.C;
+      const T* xr = x + (n * s.HW + hw) * s.C;
+      T* dxr = dx + (n * s.HW + hw) * s.C;
+      for (int64_t c = 0; c < s.C; ++c) {
+        const float gm = gn ? gn[c] : 1.f;
+        float xh = (ToFloat(xr[c]) - mu[c]) * rs[c];
+        dxr[c] = FromFloat<T>(rs[c] * (ToFloat(dyr[c]) * gm - c1[c] - xh * c2[c]));
+      }
+    }
+  });
+}
+
+ffi::Error ParseShape(const ffi::AnyBuffer& x, bool channels_last, int64_t G, int64_t W,
+                      GnShape* s) {
+  auto dims = x.dimensions();
+  if (dims.size() != 3)
+    return ffi::Error::InvalidArgument("x: expected rank 3 (N, C, HxW) or (N, HxW, C)");
+  s->N = dims[0];
+  s->C = channels_last ? dims[2] : dims[1];
+  s->HW = channels_last ? dims[1] : dims[2];
+  s->G = G;
+  if (G <= 0 || s->C <= 0 || s->C % G != 0)
+    return ffi::Error::InvalidArgument("group: must be positive and divide C");
+  s->Cg = s->C / G;
+  s->W = W;
+  if (W <= 0 || s->N % W != 0)
+    return ffi::Error::InvalidArgument("param_groups: must be positive and divide N");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> bias,
+                            ffi::Result<ffi::AnyBuffer> y,
+                            ffi::ResultBuffer<ffi::F32> mean,
+                            ffi::ResultBuffer<ffi::F32> rstd, float eps, int64_t group,
+                            int64_t param_groups, bool channels_last, bool has_weight,
+                            bool has_bias) {
+  GnShape s;
+  JNG_RETURN_IF_ERROR(ParseShape(x, channels_last, group, param_groups, &s));
+  if (y->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("y: dtype must match x");
+  JNG_RETURN_IF_ERROR(CheckSize("y", y->element_count(), s.N * s.C * s.HW));
+  JNG_RETURN_IF_ERROR(CheckSize("weight", weight.element_count(), has_weight ? s.W * s.C : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("bias", bias.element_count(), has_bias ? s.W * s.C : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("mean", mean->element_count(), s.N * s.G));
+  JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd->element_count(), s.N * s.G));
+  if (s.N == 0) return ffi::Error::Success();
+  if (s.HW == 0) return ffi::Error::InvalidArgument("x: HxW must be positive for the forward");
+  const float* w = has_weight ? weight.typed_data() : nullptr;
+  const float* b = has_bias ? bias.typed_data() : nullptr;
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+    T* yp = reinterpret_cast<T*>(y->untyped_data());
+    if (channels_last)
+      GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data());
+    else
+      GroupNormFwdNCHW(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data());
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
+                            ffi::Buffer<ffi::F32> gamma, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::ResultBuffer<ffi::F32> dgamma,
+                            ffi::ResultBuffer<ffi::F32> dbeta, int64_t group,
+                            int64_t param_groups, bool channels_last, bool has_gamma,
+                            bool compute_dx, bool compute_dgamma, bool compute_dbeta) {
+  GnShape s;
+  JNG_RETURN_IF_ERROR(ParseShape(x, channels_last, group, param_groups, &s));
+  if (dy.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("grad_out: dtype must match x");
+  if (dx->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("grad_input: dtype must match x");
+  const int64_t size = s.N * s.C * s.HW;
+  JNG_RETURN_IF_ERROR(CheckSize("grad_out", dy.element_count(), size));
+  JNG_RETURN_IF_ERROR(CheckSize("mean", mean.element_count(), s.N * s.G));
+  JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd.element_count(), s.N * s.G));
+  const int64_t psize = s.W * s.C;
+  JNG_RETURN_IF_ERROR(CheckSize("gamma", gamma.element_count(), has_gamma ? psize : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("grad_input", dx->element_count(), compute_dx ? size : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("grad_gamma", dgamma->element_count(), compute_dgamma ? psize : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("grad_beta", dbeta->element_count(), compute_dbeta ? psize : 0));
+  float* dg_out = compute_dgamma ? dgamma->typed_data() : nullptr;
+  float* dbt_out = compute_dbeta ? dbeta->typed_data() : nullptr;
+  if (dg_out) std::fill(dg_out, dg_out + psize, 0.f);
+  if (dbt_out) std::fill(dbt_out, dbt_out + psize, 0.f);
+  if (s.N == 0 || s.HW == 0) return ffi::Error::Success();
+  // Per-(n, c) sums, N*C floats each: 1/HW of the tensor.
+  std::vector<float> db(static_cast<size_t>(s.N * s.C)), ds(static_cast<size_t>(s.N * s.C));
+  const float* gm = has_gamma ? gamma.typed_data() : nullptr;
+  const float* mp = mean.typed_data();
+  const float* rp = rstd.typed_data();
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* dyp = reinterpret_cast<const T*>(dy.untyped_data());
+    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+    T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
+    if (channels_last)
+      GroupNormBwdNHWC(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data());
+    else
+      GroupNormBwdNCHW(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data());
+    // Parameter gradients: sums over the samples of each parameter group, in
+    // ascending n.
+    const int64_t per_group = s.N / s.W;
+    for (int64_t n = 0; n < s.N; ++n) {
+      const int64_t off = (n / per_group) * s.C;
+      for (int64_t c = 0; c < s.C; ++c) {
+        if (dg_out) dg_out[off + c] += rp[n * s.G + c / s.Cg] * ds[n * s.C + c];
+        if (dbt_out) dbt_out[off + c] += db[n * s.C + c];
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace jax_normgrad
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JngGroupNormFwd, jax_normgrad::GroupNormFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weight (W, C) or (0)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // bias (W, C) or (0)
+                                  .Ret<xla::ffi::AnyBuffer>()               // y
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (N, G)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (N, G)
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("param_groups")
+                                  .Attr<bool>("channels_last")
+                                  .Attr<bool>("has_weight")
+                                  .Attr<bool>("has_bias"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JngGroupNormBwd, jax_normgrad::GroupNormBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // dy
+                                  .Arg<xla::ffi::AnyBuffer>()               // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (N, G)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (N, G)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // gamma (W, C) or (0)
+                                  .Ret<xla::ffi::AnyBuffer>()               // dx or (0)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dgamma (W, C) or (0)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dbeta (W, C) or (0)
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("param_groups")
+                                  .Attr<bool>("channels_last")
+                                  .Attr<bool>("has_gamma")
+                                  .Attr<bool>("compute_dx")
+                                  .Attr<bool>("compute_dgamma")
+                                  .Attr<bool>("compute_dbeta"));

@@ -1,0 +1,242 @@
+// LayerNorm forward-with-statistics and backward as XLA FFI handlers (CPU).
+//
+// Canonical layout: x is (M, H) row-major, one row per normalized slice. The
+// rows form W = param_groups equal contiguous groups (W > 1 only under vmap
+// with per-example parameters): group k uses weight[k] and bias[k] and its
+// rows sum into dweight[k] and dbias[k].
+// Statistics, weight and bias arrive as float32 (the Python side converts the
+// small vectors), so the kernels are templated on the storage type of x alone.
+#include "kernels.h"
+
+#include <cmath>
+#include <vector>
+
+namespace jax_normgrad {
+namespace {
+
+// Partial dweight/dbias accumulators per task are T*H floats each; keep them
+// within this many floats so long rows do not cost huge scratch buffers.
+constexpr int64_t kMaxPartialFloats = int64_t{1} << 23;
+
+template <typename T>
+void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y,
+                      float* mean_out, float* rstd_out, int64_t row_begin,
+                      int64_t row_end, int64_t H, float eps, bool centered) {
+  const float inv_h = 1.0f / static_cast<float>(H);
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    const T* xr = x + i * H;
+    float mu = 0.f;
+    if (centered) {
+      Lanes s;
+      RowLoop(H, [&](int k, int64_t j) { s.v[k] += ToFloat(xr[j]); });
+      mu = s.Sum() * inv_h;
+    }
+    // Two-pass variance: the row is in cache, and it avoids the cancellation
+    // of E[x^2] - E[x]^2.
+    Lanes q;
+    RowLoop(H, [&](int k, int64_t j) {
+      float d = ToFloat(xr[j]) - mu;
+      q.v[k] += d * d;
+    });
+    float rs = 1.0f / std::sqrt(q.Sum() * inv_h + eps);
+    if (mean_out) mean_out[i] = mu;
+    rstd_out[i] = rs;
+    T* yr = y + i * H;
+    for (int64_t j = 0; j < H; ++j) {
+      float v = (ToFloat(xr[j]) - mu) * rs;
+      if (w) v *= w[j];
+      if (b) v += b[j];
+      yr[j] = FromFloat<T>(v);
+    }
+  }
+}
+
+// dx for rows [row_begin, row_end) and this block's dweight/dbias partials:
+//   xhat = (x - mean) * rstd,  g = dy * w
+//   dx   = rstd * (g - mean(g) - xhat * mean(g * xhat))
+// (mean(g) is dropped when !centered: RMSNorm.)
+template <typename T>
+void LayerNormBwdRows(const T* dy, const T* x, const float* mean, const float* rstd,
+                      const float* w, T* dx, float* dw, float* db, int64_t row_begin,
+                      int64_t row_end, int64_t H, bool centered) {
+  const float inv_h = 1.0f / static_cast<float>(H);
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    const T* dyr = dy + i * H;
+    const T* xr = x + i * H;
+    const float mu = centered ? mean[i] : 0.f;
+    const float rs = rstd[i];
+    if (dx) {
+      Lanes s_g, s_gx;
+      RowLoop(H, [&](int k, int64_t j) {
+        float xh = (ToFloat(xr[j]) - mu) * rs;
+        float g = ToFloat(dyr[j]);
+        if (w) g *= w[j];
+        s_g.v[k] += g;
+        s_gx.v[k] += g * xh;
+      });
+      const float c1 = centered ? s_g.Sum() * inv_h : 0.f;
+      const float c2 = s_gx.Sum() * inv_h;
+      T* dxr = dx + i * H;
+      for (int64_t j = 0; j < H; ++j) {
+        float xh = (ToFloat(xr[j]) - mu) * rs;
+        float d = ToFloat(dyr[j]);
+        float g = w ? d * w[j] : d;
+        dxr[j] = FromFloat<T>(rs * (g - c1 - xh * c2));
+      }
+    }
+    if (dw) {
+      for (int64_t j = 0; j < H; ++j) {
+        dw[j] += ToFloat(dyr[j]) * ((ToFloat(xr[j]) - mu) * rs);
+      }
+    }
+    if (db) {
+      for (int64_t j = 0; j < H; ++j) db[j] += ToFloat(dyr[j]);
+    }
+  }
+}
+
+}  // namespace
+
+ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> bias,
+                            ffi::Result<ffi::AnyBuffer> y,
+                            ffi::ResultBuffer<ffi::F32> mean,
+                            ffi::ResultBuffer<ffi::F32> rstd, float eps,
+                            int64_t param_groups, bool has_weight, bool has_bias,
+                            bool centered) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("x: expected rank 2 (rows, H)");
+  const int64_t M = dims[0], H = dims[1], W = param_groups;
+  if (W <= 0 || M % W != 0)
+    return ffi::Error::InvalidArgument("param_groups: must be positive and divide the rows");
+  if (y->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("y: dtype must match x");
+  JNG_RETURN_IF_ERROR(CheckSize("y", y->element_count(), M * H));
+  JNG_RETURN_IF_ERROR(CheckSize("weight", weight.element_count(), has_weight ? W * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("bias", bias.element_count(), has_bias ? W * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("mean", mean->element_count(), centered ? M : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd->element_count(), M));
+  if (M == 0) return ffi::Error::Success();
+  if (H == 0) return ffi::Error::InvalidArgument("x: normalized size must be positive");
+  const float* w = has_weight ? weight.typed_data() : nullptr;
+  const float* b = has_bias ? bias.typed_data() : nullptr;
+  float* mean_p = centered ? mean->typed_data() : nullptr;
+  float* rstd_p = rstd->typed_data();
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+    T* yp = reinterpret_cast<T*>(y->untyped_data());
+    RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
+    ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
+      const int64_t grp = split.group(t);
+      LayerNormFwdRows(xp, w ? w + grp * H : nullptr, b ? b + grp * H : nullptr, yp, mean_p,
+                       rstd_p, split.begin(t), split.end(t), H, eps, centered);
+    });
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
+                            ffi::Buffer<ffi::F32> weight, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::ResultBuffer<ffi::F32> dweight,
+                            ffi::ResultBuffer<ffi::F32> dbias, int64_t param_groups,
+                            bool has_weight, bool compute_dx, bool compute_dweight,
+                            bool compute_dbias, bool centered) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("x: expected rank 2 (rows, H)");
+  const int64_t M = dims[0], H = dims[1], W = param_groups;
+  if (W <= 0 || M % W != 0)
+    return ffi::Error::InvalidArgument("param_groups: must be positive and divide the rows");
+  if (dy.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("grad_out: dtype must match x");
+  if (dx->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("grad_input: dtype must match x");
+  JNG_RETURN_IF_ERROR(CheckSize("grad_out", dy.element_count(), M * H));
+  JNG_RETURN_IF_ERROR(CheckSize("mean", mean.element_count(), centered ? M : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd.element_count(), M));
+  JNG_RETURN_IF_ERROR(CheckSize("weight", weight.element_count(), has_weight ? W * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("grad_input", dx->element_count(), compute_dx ? M * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("grad_weight", dweight->element_count(), compute_dweight ? W * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("grad_bias", dbias->element_count(), compute_dbias ? W * H : 0));
+  float* dw_out = compute_dweight ? dweight->typed_data() : nullptr;
+  float* db_out = compute_dbias ? dbias->typed_data() : nullptr;
+  if (dw_out) std::fill(dw_out, dw_out + W * H, 0.f);
+  if (db_out) std::fill(db_out, db_out + W * H, 0.f);
+  if (M == 0 || H == 0) return ffi::Error::Success();
+
+  const bool need_partials = dw_out || db_out;
+  int64_t per_group = NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks);
+  if (need_partials)
+    per_group = std::max<int64_t>(1, std::min(per_group, kMaxPartialFloats / (W * H)));
+  RowGroupTasks split(M, W, per_group);
+  // Per-task partial sums of dweight/dbias, summed in task order afterwards.
+  // With one task per group the partials are the outputs themselves.
+  const bool use_partials = per_group > 1;
+  std::vector<float> dw_part, db_part;
+  if (use_partials) {
+    if (dw_out) dw_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
+    if (db_out) db_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
+  }
+  const float* w = has_weight ? weight.typed_data() : nullptr;
+  const float* mean_p = centered ? mean.typed_data() : nullptr;
+  const float* rstd_p = rstd.typed_data();
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* dyp = reinterpret_cast<const T*>(dy.untyped_data());
+    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+    T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
+    ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
+      const int64_t grp = split.group(t);
+      float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
+      float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
+      LayerNormBwdRows(dyp, xp, mean_p, rstd_p, w ? w + grp * H : nullptr, dxp, dw, db,
+                       split.begin(t), split.end(t), H, centered);
+    });
+    if (use_partials) {
+      for (int64_t grp = 0; grp < W; ++grp) {
+        const int64_t off = grp * per_group * H;
+        if (dw_out) SumPartials(&pool, dw_part.data() + off, dw_out + grp * H, per_group, H);
+        if (db_out) SumPartials(&pool, db_part.data() + off, db_out + grp * H, per_group, H);
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace jax_normgrad
+
+// Handler symbols: the attributes are bound by name; keep in step with
+// jax_normgrad/_ffi.py.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JngLayerNormFwd, jax_normgrad::LayerNormFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // x (M, H)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weight (W, H) or (0)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // bias (W, H) or (0)
+                                  .Ret<xla::ffi::AnyBuffer>()               // y (M, H)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (M) or (0)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (M)
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("param_groups")
+                                  .Attr<bool>("has_weight")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("centered"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JngLayerNormBwd, jax_normgrad::LayerNormBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // dy (M, H)
+                                  .Arg<xla::ffi::AnyBuffer>()               // x (M, H)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (M) or (0)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (M)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weight (W, H) or (0)
+                                  .Ret<xla::ffi::AnyBuffer>()               // dx (M, H) or (0)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dweight (W, H) or (0)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dbias (W, H) or (0)
+                                  .Attr<int64_t>("param_groups")
+                                  .Attr<bool>("has_weight")
+                                  .Attr<bool>("compute_dx")
+                                  .Attr<bool>("compute_dweight")
+                                  .Attr<bool>("compute_dbias")
+                                  .Attr<bool>("centered"));

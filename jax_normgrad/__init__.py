@@ -1,0 +1,26 @@
+"""jax_normgrad: fast, exact LayerNorm / GroupNorm backward passes for JAX.
+
+Each op is a JAX primitive whose default lowering is a compiled kernel (the
+C++ XLA FFI custom call on CPU); ``implementation="xla"`` selects the
+pure-JAX reference. See README.md for the API table.
+"""
+
+from jax_normgrad import _ffi  # noqa: F401  (registers the CPU FFI targets)
+from jax_normgrad._implementation import FallbackWarning
+from jax_normgrad._validation import IMPLEMENTATIONS, SUPPORTED_DTYPES
+from jax_normgrad.ops.group_norm import group_norm, group_norm_backward, group_norm_fwd
+from jax_normgrad.ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_fwd
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FallbackWarning",
+    "IMPLEMENTATIONS",
+    "SUPPORTED_DTYPES",
+    "group_norm",
+    "group_norm_backward",
+    "group_norm_fwd",
+    "layer_norm",
+    "layer_norm_backward",
+    "layer_norm_fwd",
+]

@@ -1,0 +1,54 @@
+"""The C++ CPU kernels: loads the nanobind extension and registers its XLA FFI targets."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+
+try:
+  from jax_normgrad import _jax_normgrad as _ext
+except ImportError as e:  # pragma: no cover - only in a broken install
+  _ext = None
+  _IMPORT_ERROR = e
+else:
+  _IMPORT_ERROR = None
+  for _name, _capsule in _ext.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+#: The custom-call targets this package registers (all CPU).
+TARGETS = (
+    "jax_normgrad_layer_norm_fwd",
+    "jax_normgrad_layer_norm_bwd",
+    "jax_normgrad_group_norm_fwd",
+    "jax_normgrad_group_norm_bwd",
+)
+
+EMPTY_F32 = np.zeros((0,), np.float32)
+
+
+def available() -> bool:
+  return _ext is not None
+
+
+def call(target: str, out_types: Sequence[jax.ShapeDtypeStruct], *operands, **attrs):
+  """Calls an FFI target; attribute types are made exact here.
+
+  The handlers bind float attributes as f32 and integers as i64, so Python
+  floats/ints are converted (a Python float would arrive as f64 and fail).
+  """
+  if _ext is None:
+    raise RuntimeError(f"jax_normgrad's C++ extension failed to import: {_IMPORT_ERROR}")
+  exact = {}
+  for k, v in attrs.items():
+    if isinstance(v, (bool, np.bool_)):
+      exact[k] = bool(v)
+    elif isinstance(v, float):
+      exact[k] = np.float32(v)
+    elif isinstance(v, int):
+      exact[k] = np.int64(v)
+    else:
+      exact[k] = v
+  operands = [EMPTY_F32 if o is None else o for o in operands]
+  return jax.ffi.ffi_call(target, list(out_types), vmap_method=None)(*operands, **exact)

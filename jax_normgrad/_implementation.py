@@ -1,0 +1,102 @@
+"""Which implementation lowers a primitive on which platform, and the plumbing to register it.
+
+Every primitive carries an ``implementation`` parameter (None, "xla", "ffi" or
+"pallas"). The choice is made at lowering time, when the platform is known:
+
+===========  ======================  ==============================================
+platform     implementation=None     also available
+===========  ======================  ==============================================
+cpu          "ffi" (C++ custom call)  "xla"; "pallas" in interpret mode (tests)
+cuda / rocm  "pallas" when built      "xla"
+tpu          "pallas" when built      "xla"
+===========  ======================  ==============================================
+
+Where the default kernel does not exist yet, the pure-JAX reference ("xla")
+runs instead and a one-time warning says so: no fallback is silent. An
+implementation forced by the user that cannot run on the platform raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+import jax
+from jax.interpreters import mlir
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+class FallbackWarning(UserWarning):
+  """Emitted once per (op, platform) when the default kernel is unavailable."""
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+  warnings.warn(message, FallbackWarning, stacklevel=3)
+
+
+def resolve(implementation: str | None, platform: str, op: str, available: dict[str, Callable | None]) -> str:
+  """Returns the implementation to lower ``op`` with on ``platform``.
+
+  Args:
+    implementation: the user's choice (None for the platform's default).
+    platform: the lowering platform ("cpu", "cuda", "rocm", "tpu").
+    op: the primitive's name, for messages.
+    available: implementation name -> lowering function, None where absent.
+  """
+  default = "ffi" if platform == "cpu" else "pallas"
+  if implementation is None:
+    if available.get(default) is not None:
+      return default
+    _warn_once(
+        f"jax_normgrad: no {default!r} kernel for {op} on {platform}; using the pure-JAX "
+        f"reference implementation ('xla') instead. Pass implementation='xla' to silence this.")
+    return "xla"
+  if implementation == "ffi" and platform != "cpu":
+    raise ValueError(
+        f"{op}: implementation='ffi' is the CPU custom call and cannot run on {platform}; "
+        f"use implementation=None, 'pallas' or 'xla'")
+  if available.get(implementation) is None:
+    raise ValueError(f"{op}: implementation={implementation!r} is not available on {platform}")
+  return implementation
+
+
+def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
+                       pallas: Callable | None = None) -> None:
+  """Registers one lowering rule per platform that dispatches on ``implementation``.
+
+  Each implementation is a function of the primitive's array operands and its
+  parameters (minus ``implementation``) written with jnp / ``jax.ffi.ffi_call``
+  / ``pallas_call``; it is lowered with ``mlir.lower_fun``. ``pallas`` also
+  receives ``interpret=True`` on CPU.
+  """
+  def make_rule(platform):
+    available = {"xla": xla, "ffi": ffi if platform == "cpu" else None, "pallas": pallas}
+
+    def rule(ctx, *args, implementation, **params):
+      impl = resolve(implementation, platform, prim.name, available)
+      fn = available[impl]
+      if impl == "pallas":
+        fn = functools.partial(fn, interpret=(platform == "cpu"))
+      return mlir.lower_fun(functools.partial(fn, **params), multiple_results=prim.multiple_results)(ctx, *args)
+
+    return rule
+
+  for platform in PLATFORMS:
+    mlir.register_lowering(prim, make_rule(platform), platform=platform)
+
+
+def def_impl_via_jit(prim) -> None:
+  """Eager calls of ``prim`` run its lowering through a cached ``jax.jit``."""
+
+  @functools.lru_cache(maxsize=256)
+  def jitted(params_key):
+    params = dict(params_key)
+    return jax.jit(lambda *args: prim.bind(*args, **params))
+
+  def impl(*args, **params):
+    return jitted(tuple(sorted(params.items())))(*args)
+
+  prim.def_impl(impl)

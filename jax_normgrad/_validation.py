@@ -1,0 +1,170 @@
+"""Argument checks and dtype rules shared by every public entry point.
+
+Every check runs at trace time (shapes and dtypes are static), names the
+argument and gives the expected and the actual value: ``ValueError`` for shapes
+and values, ``TypeError`` for dtypes and wrong kinds of argument.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: The dtypes the kernels compute on (always accumulating in float32).
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+F32 = jnp.dtype(jnp.float32)
+
+#: Implementation names accepted by every public function's ``implementation``.
+IMPLEMENTATIONS = (None, "xla", "ffi", "pallas")
+
+
+def _dtype_names(dtypes: Sequence[Any]) -> str:
+  return ", ".join(str(jnp.dtype(d)) for d in dtypes)
+
+
+def as_array(name: str, value: Any) -> jax.Array:
+  """Returns ``value`` as a JAX array; ``TypeError`` for None or non-arrays."""
+  if value is None:
+    raise TypeError(f"{name}: expected an array, got None")
+  if isinstance(value, (jax.Array, np.ndarray, np.generic, numbers.Number)) or hasattr(value, "__jax_array__"):
+    return jnp.asarray(value)
+  raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
+
+
+def optional_array(name: str, value: Any) -> jax.Array | None:
+  return None if value is None else as_array(name, value)
+
+
+def check_float_dtype(name: str, arr: jax.Array) -> None:
+  """The kernels take float32, float16 and bfloat16."""
+  if arr.dtype not in SUPPORTED_DTYPES:
+    hint = " (float64 is not supported by the kernels: cast to float32)" if arr.dtype == np.float64 else ""
+    raise TypeError(
+        f"{name}: expected dtype in ({_dtype_names(SUPPORTED_DTYPES)}), got {arr.dtype}{hint}")
+
+
+def check_same_dtype(name: str, arr: jax.Array, ref_name: str, ref: jax.Array) -> None:
+  if arr.dtype != ref.dtype:
+    raise TypeError(f"{name}: expected dtype {ref.dtype} (the dtype of {ref_name}), got {arr.dtype}")
+
+
+def check_stats_dtype(name: str, stats: jax.Array, x: jax.Array) -> None:
+  """Statistics are float32 or x's dtype; never narrower than x."""
+  allowed = {F32, x.dtype}
+  if stats.dtype not in allowed:
+    raise TypeError(
+        f"{name}: expected dtype float32 or {x.dtype} (x's dtype; statistics may not be narrower "
+        f"than x), got {stats.dtype}")
+
+
+def check_param_dtype(name: str, param: jax.Array, x: jax.Array) -> None:
+  """Parameters are in x's dtype or float32 (mixed precision)."""
+  if param.dtype not in {F32, x.dtype}:
+    raise TypeError(f"{name}: expected dtype {x.dtype} (x's dtype) or float32, got {param.dtype}")
+
+
+def check_params_share_dtype(weight_name: str, weight, bias_name: str, bias) -> None:
+  if weight is not None and bias is not None and weight.dtype != bias.dtype:
+    raise TypeError(
+        f"{bias_name}: expected dtype {weight.dtype} (the dtype of {weight_name}), got {bias.dtype}")
+
+
+def param_grad_dtype(weight, bias, x) -> jnp.dtype:
+  """dtype of grad_weight/grad_bias: weight's, else bias's, else x's."""
+  for p in (weight, bias):
+    if p is not None:
+      return p.dtype
+  return x.dtype
+
+
+def check_shape(name: str, arr: jax.Array, expected: Sequence[int], what: str = "") -> None:
+  if tuple(arr.shape) != tuple(expected):
+    suffix = f" ({what})" if what else ""
+    raise ValueError(f"{name}: expected shape {tuple(expected)}{suffix}, got {tuple(arr.shape)}")
+
+
+def check_size(name: str, arr: jax.Array, expected: int, what: str) -> None:
+  if arr.size != expected:
+    raise ValueError(
+        f"{name}: expected {expected} elements ({what}), got {arr.size} (shape {tuple(arr.shape)})")
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
+    raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
+  value = int(value)
+  if value < minimum:
+    raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+  return value
+
+
+def check_eps(eps: Any, name: str = "eps") -> float:
+  if isinstance(eps, jax.core.Tracer):
+    raise TypeError(f"{name}: expected a static Python float, got a traced value")
+  if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating, np.integer)):
+    raise TypeError(f"{name}: expected a float, got {type(eps).__name__}")
+  eps = float(eps)
+  if not math.isfinite(eps) or eps < 0:
+    raise ValueError(f"{name}: expected a finite float >= 0, got {eps}")
+  return eps
+
+
+def check_output_mask(output_mask: Any, length: int = 3) -> tuple[bool, ...]:
+  if output_mask is None or isinstance(output_mask, (str, bytes)) or not isinstance(
+      output_mask, (Sequence, np.ndarray)):
+    raise TypeError(f"output_mask: expected a sequence of {length} bools, got {output_mask!r}")
+  mask = tuple(output_mask)
+  if len(mask) != length:
+    raise ValueError(f"output_mask: expected length {length}, got length {len(mask)}")
+  for i, m in enumerate(mask):
+    if not isinstance(m, (bool, np.bool_)):
+      raise TypeError(f"output_mask[{i}]: expected a bool, got {type(m).__name__}")
+  return tuple(bool(m) for m in mask)
+
+
+def check_implementation(implementation: Any) -> str | None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}")
+  return implementation
+
+
+def normalized_shape_of(normalized_shape: Any, x: jax.Array, name: str = "normalized_shape") -> tuple[int, ...]:
+  """Checks ``normalized_shape`` against x: non-empty, trailing dims of x.
+
+  ``None`` means ``x.shape[-1:]``; an int means ``(int,)``.
+  """
+  if normalized_shape is None:
+    if x.ndim < 1:
+      raise ValueError(f"x: expected at least 1 dimension, got shape {tuple(x.shape)}")
+    return tuple(x.shape[-1:])
+  if isinstance(normalized_shape, (numbers.Integral, np.integer)) and not isinstance(normalized_shape, bool):
+    shape = (int(normalized_shape),)
+  elif isinstance(normalized_shape, (Sequence, np.ndarray)) and not isinstance(normalized_shape, (str, bytes)):
+    shape = tuple(normalized_shape)
+    for i, d in enumerate(shape):
+      if isinstance(d, bool) or not isinstance(d, (numbers.Integral, np.integer)):
+        raise TypeError(f"{name}[{i}]: expected an int, got {type(d).__name__}")
+    shape = tuple(int(d) for d in shape)
+  else:
+    raise TypeError(f"{name}: expected an int or a tuple of ints, got {type(normalized_shape).__name__}")
+  if len(shape) < 1:
+    raise ValueError(f"{name}: expected at least 1 dimension, got {shape}")
+  if x.ndim < len(shape):
+    raise ValueError(
+        f"x: expected at least {len(shape)} dimensions (len({name})), got shape {tuple(x.shape)}")
+  if tuple(x.shape[x.ndim - len(shape):]) != shape:
+    raise ValueError(
+        f"x: trailing dimensions {tuple(x.shape[x.ndim - len(shape):])} do not match "
+        f"{name} {shape}")
+  return shape
+
+
+def check_positive_size(name: str, size: int, what: str) -> None:
+  if size <= 0:
+    raise ValueError(f"{name}: expected a positive {what}, got {size}")

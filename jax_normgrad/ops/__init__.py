@@ -1,0 +1,1 @@
+"""The public functions, one module per op family: argument checks, reshape to the canonical layout, bind."""

@@ -1,0 +1,50 @@
+"""What every primitive shares: definition boilerplate and the batch-folding vmap rule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from jax_normgrad import _implementation
+
+
+def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None) -> Primitive:
+  """A multiple-result primitive with eager impl, lowerings and the folding batcher."""
+  prim = Primitive(name)
+  prim.multiple_results = True
+  prim.def_abstract_eval(abstract_eval)
+  _implementation.def_impl_via_jit(prim)
+  _implementation.register_lowerings(prim, xla=xla, ffi=ffi, pallas=pallas)
+  batching.primitive_batchers[prim] = _fold_batch_rule(prim)
+  return prim
+
+
+def _fold_batch_rule(prim):
+  """vmap by folding the batch into the leading (row / sample) axis.
+
+  Every operand of these primitives has a leading axis that the kernels loop
+  over independently: rows of x and dy, entries of the statistics, and the
+  ``param_groups`` rows of weight/bias. Under vmap with batch size B each
+  operand's batch axis moves to the front (unbatched operands are broadcast)
+  and is merged into that leading axis, ``param_groups`` is multiplied by B,
+  and the kernel runs once on the whole batch. The parameter gradients come
+  out per batch element, as vmap's semantics require. No Python loop.
+  """
+
+  def rule(args, dims, *, param_groups, **params):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    folded = []
+    for a, d in zip(args, dims):
+      a = jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
+      folded.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+    outs = prim.bind(*folded, param_groups=param_groups * size, **params)
+    outs = [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs]
+    return outs, [0] * len(outs)
+
+  return rule
+
+
+def shaped(shape, dtype) -> jax.core.ShapedArray:
+  return jax.core.ShapedArray(tuple(shape), jnp.dtype(dtype))

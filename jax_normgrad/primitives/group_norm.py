@@ -1,0 +1,89 @@
+"""GroupNorm primitives: forward with statistics and backward, NCHW and channels-last.
+
+Canonical operands (see ``jax_normgrad.reference``): ``x``, ``dy`` of shape
+``(N, C, HW)`` or, with ``channels_last``, ``(N, HW, C)``; ``mean``, ``rstd``
+of shape ``(N, G)`` float32; ``gamma``/``beta`` of shape ``(W, C)`` float32,
+``W = param_groups``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_normgrad import _ffi, reference
+from jax_normgrad.primitives._common import make_primitive, shaped
+from jax_normgrad.primitives.layer_norm import _split_params
+
+F32 = jnp.float32
+
+
+def _channels(x, channels_last):
+  return x.shape[2] if channels_last else x.shape[1]
+
+
+# ----------------------------------------------------------------------------
+# Forward with statistics: (x, [weight], [bias]) -> (y, mean, rstd)
+
+
+def _fwd_abstract(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups,
+                  implementation):
+  del params, eps, channels_last, has_weight, has_bias, param_groups, implementation
+  return [shaped(x.shape, x.dtype), shaped((x.shape[0], group), F32),
+          shaped((x.shape[0], group), F32)]
+
+
+def _fwd_xla(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups):
+  weight, bias = _split_params(params, has_weight, has_bias)
+  return reference.group_norm_fwd(x, weight, bias, eps=eps, group=group,
+                                  channels_last=channels_last, param_groups=param_groups)
+
+
+def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups):
+  weight, bias = _split_params(params, has_weight, has_bias)
+  stats = jax.ShapeDtypeStruct((x.shape[0], group), F32)
+  return list(_ffi.call("jax_normgrad_group_norm_fwd",
+                        [jax.ShapeDtypeStruct(x.shape, x.dtype), stats, stats],
+                        x, weight, bias, eps=eps, group=group, param_groups=param_groups,
+                        channels_last=channels_last, has_weight=has_weight, has_bias=has_bias))
+
+
+group_norm_fwd_p = make_primitive("jax_normgrad_group_norm_fwd", _fwd_abstract,
+                                  xla=_fwd_xla, ffi=_fwd_ffi)
+
+
+# ----------------------------------------------------------------------------
+# Backward: (dy, x, mean, rstd, [gamma]) -> the output_mask'ed of (dx, dgamma, dbeta)
+
+
+def _bwd_abstract(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
+                  param_groups, implementation):
+  del dy, mean, rstd, gamma, group, has_gamma, implementation
+  outs = [shaped(x.shape, x.dtype)] if output_mask[0] else []
+  return outs + [shaped((param_groups, _channels(x, channels_last)), F32)] * sum(output_mask[1:])
+
+
+def _bwd_xla(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
+             param_groups):
+  return reference.group_norm_bwd(dy, x, mean, rstd, *gamma, group=group,
+                                  channels_last=channels_last, has_gamma=has_gamma,
+                                  output_mask=output_mask, param_groups=param_groups)
+
+
+def _bwd_ffi(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
+             param_groups):
+  c = _channels(x, channels_last)
+  param_shape = (param_groups, c)
+  out_types = [jax.ShapeDtypeStruct(x.shape if output_mask[0] else (0,), x.dtype),
+               jax.ShapeDtypeStruct(param_shape if output_mask[1] else (0,), F32),
+               jax.ShapeDtypeStruct(param_shape if output_mask[2] else (0,), F32)]
+  outs = _ffi.call("jax_normgrad_group_norm_bwd", out_types, dy, x, mean, rstd,
+                   gamma[0] if has_gamma else None, group=group, param_groups=param_groups,
+                   channels_last=channels_last, has_gamma=has_gamma,
+                   compute_dx=output_mask[0], compute_dgamma=output_mask[1],
+                   compute_dbeta=output_mask[2])
+  return [o for o, m in zip(outs, output_mask) if m]
+
+
+group_norm_bwd_p = make_primitive("jax_normgrad_group_norm_bwd", _bwd_abstract,
+                                  xla=_bwd_xla, ffi=_bwd_ffi)

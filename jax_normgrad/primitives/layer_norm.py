@@ -1,0 +1,94 @@
+"""LayerNorm and RMSNorm primitives: forward with statistics and backward.
+
+Canonical operands (see ``jax_normgrad.reference``): ``x``, ``dy`` of shape
+``(M, H)``; ``mean``, ``rstd`` of shape ``(M,)`` float32; ``weight``, ``bias``
+of shape ``(W, H)`` float32, ``W = param_groups``. ``centered=False`` is
+RMSNorm (no mean: no ``mean`` operand or output, no ``mean(g)`` term).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_normgrad import _ffi, reference
+from jax_normgrad.primitives._common import make_primitive, shaped
+
+F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------
+# Forward with statistics: (x, [weight], [bias]) -> (y, [mean], rstd)
+
+
+def _fwd_abstract(x, *params, eps, centered, has_weight, has_bias, param_groups, implementation):
+  del params, eps, has_weight, has_bias, param_groups, implementation
+  m = x.shape[0]
+  stats = [shaped((m,), F32)] * (2 if centered else 1)
+  return [shaped(x.shape, x.dtype)] + stats
+
+
+def _split_params(params, has_weight, has_bias):
+  params = list(params)
+  weight = params.pop(0) if has_weight else None
+  bias = params.pop(0) if has_bias else None
+  return weight, bias
+
+
+def _fwd_xla(x, *params, eps, centered, has_weight, has_bias, param_groups):
+  weight, bias = _split_params(params, has_weight, has_bias)
+  return reference.layer_norm_fwd(x, weight, bias, eps=eps, centered=centered,
+                                  param_groups=param_groups)
+
+
+def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups):
+  weight, bias = _split_params(params, has_weight, has_bias)
+  m = x.shape[0]
+  out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype),
+               jax.ShapeDtypeStruct((m if centered else 0,), F32),
+               jax.ShapeDtypeStruct((m,), F32)]
+  y, mean, rstd = _ffi.call("jax_normgrad_layer_norm_fwd", out_types, x, weight, bias, eps=eps,
+                            param_groups=param_groups, has_weight=has_weight,
+                            has_bias=has_bias, centered=centered)
+  return [y, mean, rstd] if centered else [y, rstd]
+
+
+layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
+                                  xla=_fwd_xla, ffi=_fwd_ffi)
+
+
+# ----------------------------------------------------------------------------
+# Backward: (dy, x, [mean], rstd, [weight]) -> the output_mask'ed of (dx, dweight, dbias)
+
+
+def _bwd_abstract(dy, x, *rest, centered, has_weight, output_mask, param_groups, implementation):
+  del dy, rest, centered, has_weight, implementation
+  outs = []
+  if output_mask[0]:
+    outs.append(shaped(x.shape, x.dtype))
+  outs += [shaped((param_groups, x.shape[1]), F32)] * sum(output_mask[1:])
+  return outs
+
+
+def _bwd_xla(dy, x, *rest, centered, has_weight, output_mask, param_groups):
+  return reference.layer_norm_bwd(dy, x, *rest, centered=centered, has_weight=has_weight,
+                                  output_mask=output_mask, param_groups=param_groups)
+
+
+def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups):
+  rest = list(rest)
+  weight = rest.pop() if has_weight else None
+  mean, rstd = rest if centered else (None, rest[0])
+  mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
+  h = x.shape[1]
+  out_types = [jax.ShapeDtypeStruct(x.shape if mask[0] else (0,), x.dtype),
+               jax.ShapeDtypeStruct((param_groups, h) if mask[1] else (0,), F32),
+               jax.ShapeDtypeStruct((param_groups, h) if mask[2] else (0,), F32)]
+  outs = _ffi.call("jax_normgrad_layer_norm_bwd", out_types, dy, x, mean, rstd, weight,
+                   param_groups=param_groups, has_weight=has_weight, compute_dx=mask[0],
+                   compute_dweight=mask[1], compute_dbias=mask[2], centered=centered)
+  return [o for o, m in zip(outs, mask) if m]
+
+
+layer_norm_bwd_p = make_primitive("jax_normgrad_layer_norm_bwd", _bwd_abstract,
+                                  xla=_bwd_xla, ffi=_bwd_ffi)

@@ -1,0 +1,159 @@
+"""Pure-JAX reference math on the primitives' canonical layouts (the "xla" implementation).
+
+This is the oracle the kernels are tested against (besides the float64 NumPy
+reference of the tests) and the lowering used by ``implementation="xla"`` and
+on platforms without a kernel. Everything accumulates in float32.
+
+Canonical layouts (the primitives reshape to these; reshapes are free):
+
+* LayerNorm / RMSNorm: ``x`` is ``(M, H)``; statistics ``(M,)``; parameters
+  ``(W, H)`` float32, where the rows form ``W`` equal contiguous groups (``W``
+  is 1 except under ``vmap`` with per-example parameters).
+* GroupNorm: ``x`` is ``(N, C, HW)`` or, channels-last, ``(N, HW, C)``;
+  statistics ``(N, G)``; parameters ``(W, C)`` float32, samples in ``W`` groups.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def _grouped(a, groups):
+  """(M, ...) -> (W, M/W, ...)."""
+  return a.reshape((groups, a.shape[0] // groups) + a.shape[1:])
+
+
+# ----------------------------------------------------------------------------
+# LayerNorm (centered=True) and RMSNorm (centered=False)
+
+
+def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups):
+  """Returns ``[y, mean, rstd]`` (``[y, rstd]`` when not centered)."""
+  m, h = x.shape
+  x32 = x.astype(F32)
+  if centered:
+    mean = jnp.mean(x32, axis=1)
+    xc = x32 - mean[:, None]
+  else:
+    mean = None
+    xc = x32
+  rstd = 1.0 / jnp.sqrt(jnp.mean(xc * xc, axis=1) + jnp.float32(eps))
+  y = _grouped(xc * rstd[:, None], param_groups)
+  if weight is not None:
+    y = y * weight[:, None, :]
+  if bias is not None:
+    y = y + bias[:, None, :]
+  y = y.reshape(m, h).astype(x.dtype)
+  return [y, mean, rstd] if centered else [y, rstd]
+
+
+def layer_norm_bwd(dy, x, *stats_and_weight, centered, has_weight, output_mask, param_groups):
+  """Returns the outputs of ``output_mask`` among ``[dx, dweight, dbias]``.
+
+  ``xhat = (x - mean) * rstd``, ``g = dy * weight``,
+  ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (no ``mean(g)`` when
+  not centered), ``dweight = sum_rows dy * xhat``, ``dbias = sum_rows dy``.
+  """
+  stats = list(stats_and_weight)
+  weight = stats.pop() if has_weight else None
+  mean, rstd = (stats if centered else [None] + stats)
+  m, h = x.shape
+  w = param_groups
+  dy32 = _grouped(dy.astype(F32), w)
+  x32 = _grouped(x.astype(F32), w)
+  rstd_g = _grouped(rstd.astype(F32), w)[..., None]
+  xhat = (x32 - _grouped(mean.astype(F32), w)[..., None]) * rstd_g if centered else x32 * rstd_g
+  outs = []
+  if output_mask[0]:
+    g = dy32 * weight[:, None, :] if weight is not None else dy32
+    c2 = jnp.mean(g * xhat, axis=-1, keepdims=True)
+    inner = g - xhat * c2
+    if centered:
+      inner = inner - jnp.mean(g, axis=-1, keepdims=True)
+    outs.append((rstd_g * inner).reshape(m, h).astype(x.dtype))
+  if output_mask[1]:
+    outs.append(jnp.sum(dy32 * xhat, axis=1))
+  if len(output_mask) > 2 and output_mask[2]:
+    outs.append(jnp.sum(dy32, axis=1))
+  return outs
+
+
+# ----------------------------------------------------------------------------
+# GroupNorm
+
+
+def _gn_blocks(a, group, channels_last):
+  """(N, C, HW) -> (N, G, C/G, HW); (N, HW, C) -> (N, HW, G, C/G)."""
+  if channels_last:
+    n, hw, c = a.shape
+    return a.reshape(n, hw, group, c // group)
+  n, c, hw = a.shape
+  return a.reshape(n, group, c // group, hw)
+
+
+def _gn_axes(channels_last):
+  """(block reduction axes, axis of G, broadcast of an (N, G) stat)."""
+  return ((1, 3), (slice(None), None, slice(None), None)) if channels_last else (
+      (2, 3), (slice(None), slice(None), None, None))
+
+
+def _gn_param(p, n, group, channels_last):
+  """(W, C) parameters -> broadcastable against the block view of x."""
+  w, c = p.shape
+  p = jnp.repeat(p, n // w, axis=0) if w > 1 else p
+  p = p.reshape(p.shape[0], group, c // group)
+  return p[:, None, :, :] if channels_last else p[:, :, :, None]
+
+
+def group_norm_fwd(x, weight=None, bias=None, *, eps, group, channels_last, param_groups):
+  """Returns ``[y, mean, rstd]`` with ``mean``/``rstd`` of shape ``(N, G)``."""
+  del param_groups  # The (W, C) parameter shape carries it.
+  n = x.shape[0]
+  axes, bcast = _gn_axes(channels_last)
+  xb = _gn_blocks(x.astype(F32), group, channels_last)
+  mean = jnp.mean(xb, axis=axes)
+  xc = xb - mean[bcast]
+  rstd = 1.0 / jnp.sqrt(jnp.mean(xc * xc, axis=axes) + jnp.float32(eps))
+  y = xc * rstd[bcast]
+  if weight is not None:
+    y = y * _gn_param(weight, n, group, channels_last)
+  if bias is not None:
+    y = y + _gn_param(bias, n, group, channels_last)
+  return [y.reshape(x.shape).astype(x.dtype), mean, rstd]
+
+
+def group_norm_bwd(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
+                   param_groups):
+  """Returns the outputs of ``output_mask`` among ``[dx, dgamma, dbeta]``.
+
+  Per ``(n, g)`` block, ``g = dy * gamma[c]``:
+  ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``;
+  ``dgamma[c] = sum_{n, hw} dy * xhat``, ``dbeta[c] = sum_{n, hw} dy``.
+  """
+  gamma = gamma[0] if has_gamma else None
+  n = x.shape[0]
+  c = x.shape[2] if channels_last else x.shape[1]
+  axes, bcast = _gn_axes(channels_last)
+  dyb = _gn_blocks(dy.astype(F32), group, channels_last)
+  xb = _gn_blocks(x.astype(F32), group, channels_last)
+  rs = rstd.astype(F32)[bcast]
+  xhat = (xb - mean.astype(F32)[bcast]) * rs
+  outs = []
+  if output_mask[0]:
+    g = dyb * _gn_param(gamma, n, group, channels_last) if gamma is not None else dyb
+    c1 = jnp.mean(g, axis=axes, keepdims=True)
+    c2 = jnp.mean(g * xhat, axis=axes, keepdims=True)
+    outs.append((rs * (g - c1 - xhat * c2)).reshape(x.shape).astype(x.dtype))
+  hw_axis = 1 if channels_last else 3
+
+  def per_channel(v):  # (N, ...) block view -> (W, C) summed over hw and samples
+    s = jnp.sum(v, axis=hw_axis).reshape(n, c)
+    return s.reshape(param_groups, n // param_groups, c).sum(axis=1)
+
+  if output_mask[1]:
+    outs.append(per_channel(dyb * xhat))
+  if output_mask[2]:
+    outs.append(per_channel(dyb))
+  return outs
