@@ -1,0 +1,39 @@
+"""Test inputs shared by the op test modules: shapes, dtypes, random arrays."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+MASKS = list(itertools.product([True, False], repeat=3))
+
+# (x shape, normalized_shape): non-powers of two, multi-axis, rows of 1, empty.
+LN_CASES = [
+    ((7, 1000), (1000,)),
+    ((3, 5, 42), (42,)),
+    ((4, 6, 10), (6, 10)),
+    ((9, 1), (1,)),
+    ((0, 64), (64,)),
+    ((2, 0, 3), (3,)),
+    ((301, 257), (257,)),
+]
+LONG_ROW = ((2, 1_000_003), (1_000_003,))
+
+# (x shape, N, C, HxW, group, channels_last)
+GN_CASES = [
+    ((3, 12, 5, 7), 3, 12, 35, 4, False),
+    ((3, 5, 7, 12), 3, 12, 35, 4, True),
+    ((2, 10, 17), 2, 10, 17, 10, False),
+    ((2, 17, 10), 2, 10, 17, 5, True),
+    ((2, 6), 2, 6, 1, 3, False),
+    ((4, 64, 9), 4, 64, 9, 1, False),
+    ((0, 8, 5), 0, 8, 5, 2, False),
+    ((5, 96, 33), 5, 96, 33, 32, True),
+]
+
+
+def random(rng, shape, dtype, scale=1.0, offset=0.0):
+  return jnp.asarray(rng.normal(offset, scale, size=shape).astype(np.float32)).astype(dtype)

@@ -1,0 +1,9 @@
+"""Shared pytest fixtures: deterministic random inputs."""
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng():
+  return np.random.default_rng(0)

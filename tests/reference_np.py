@@ -1,0 +1,99 @@
+"""Float64 NumPy reference written from SPEC.md's math: the oracle of every kernel test."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def f64(a):
+  return None if a is None else np.asarray(a, dtype=np.float64)
+
+
+def ln_stats(x, norm_ndim, eps, centered=True):
+  x = f64(x)
+  axes = tuple(range(x.ndim - norm_ndim, x.ndim))
+  mean = x.mean(axis=axes, keepdims=True) if centered else np.zeros_like(x.sum(axis=axes, keepdims=True))
+  var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+  return mean, 1.0 / np.sqrt(var + eps)
+
+
+def ln_fwd(x, norm_ndim, weight=None, bias=None, eps=1e-5):
+  """y = (x - mean) * rstd * weight + bias; mean, rstd of shape A + (1,)*len(R)."""
+  mean, rstd = ln_stats(x, norm_ndim, eps)
+  y = (f64(x) - mean) * rstd
+  if weight is not None:
+    y = y * f64(weight)
+  if bias is not None:
+    y = y + f64(bias)
+  return y, mean, rstd
+
+
+def ln_bwd(dy, x, norm_ndim, mean, rstd, weight=None):
+  """dx = rstd (g - mean(g) - xhat mean(g xhat)); dw = sum dy xhat; db = sum dy."""
+  dy, x = f64(dy), f64(x)
+  lead = x.shape[:x.ndim - norm_ndim]
+  shape = lead + (1,) * norm_ndim
+  mean = f64(mean).reshape(shape)
+  rstd = f64(rstd).reshape(shape)
+  axes = tuple(range(x.ndim - norm_ndim, x.ndim))
+  lead_axes = tuple(range(x.ndim - norm_ndim))
+  xhat = (x - mean) * rstd
+  g = dy * f64(weight) if weight is not None else dy
+  if x.size:
+    dx = rstd * (g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+  else:
+    dx = np.zeros_like(x)
+  return dx, (dy * xhat).sum(axis=lead_axes), dy.sum(axis=lead_axes)
+
+
+def _gn_view(a, n, c, hw, group, channels_last):
+  """-> (N, G, C/G, HW) float64."""
+  a = f64(a)
+  if channels_last:
+    return a.reshape(n, hw, group, c // group).transpose(0, 2, 3, 1)
+  return a.reshape(n, group, c // group, hw)
+
+
+def _gn_unview(a, shape, channels_last):
+  n, g, cg, hw = a.shape
+  if channels_last:
+    a = a.transpose(0, 3, 1, 2)
+  return a.reshape(shape)
+
+
+def gn_fwd(x, weight, bias, n, c, hw, group, eps=1e-5, channels_last=False):
+  xb = _gn_view(x, n, c, hw, group, channels_last)
+  mean = xb.mean(axis=(2, 3), keepdims=True)
+  rstd = 1.0 / np.sqrt(((xb - mean) ** 2).mean(axis=(2, 3), keepdims=True) + eps)
+  y = (xb - mean) * rstd
+  if weight is not None:
+    y = y * f64(weight).reshape(1, group, c // group, 1)
+  if bias is not None:
+    y = y + f64(bias).reshape(1, group, c // group, 1)
+  return _gn_unview(y, np.shape(x), channels_last), mean.reshape(n, group), rstd.reshape(n, group)
+
+
+def gn_bwd(dy, x, mean, rstd, gamma, n, c, hw, group, channels_last=False):
+  dyb = _gn_view(dy, n, c, hw, group, channels_last)
+  xb = _gn_view(x, n, c, hw, group, channels_last)
+  mean = f64(mean).reshape(n, group, 1, 1)
+  rstd = f64(rstd).reshape(n, group, 1, 1)
+  xhat = (xb - mean) * rstd
+  g = dyb * f64(gamma).reshape(1, group, c // group, 1) if gamma is not None else dyb
+  if xb.size:
+    dx = rstd * (g - g.mean(axis=(2, 3), keepdims=True) - xhat * (g * xhat).mean(axis=(2, 3), keepdims=True))
+  else:
+    dx = np.zeros_like(xb)
+  dgamma = (dyb * xhat).sum(axis=(0, 3)).reshape(c)
+  dbeta = dyb.sum(axis=(0, 3)).reshape(c)
+  return _gn_unview(dx, np.shape(x), channels_last), dgamma, dbeta
+
+
+def dx_scale(dy, rstd, weight=None):
+  """The magnitude of the terms of grad_input: max|rstd| * max|dy * weight|."""
+  g = np.abs(f64(dy))
+  if g.size == 0:
+    return 0.0
+  if weight is not None:
+    g = g * np.max(np.abs(f64(weight)))
+  return float(np.max(np.abs(f64(rstd))) * np.max(g))

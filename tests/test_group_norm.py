@@ -1,0 +1,125 @@
+"""GroupNorm forward/backward ops against the float64 NumPy reference, once per implementation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_normgrad as jn
+from cases import DTYPES, GN_CASES, MASKS, random
+import reference_np as ref
+from tolerances import assert_close
+
+
+def _inputs(rng, shape, c, dtype, param_dtype=None, with_params=True):
+  x = random(rng, shape, dtype, scale=2.0, offset=-0.3)
+  dy = random(rng, shape, dtype)
+  pd = param_dtype or dtype
+  w = random(rng, (c,), pd, offset=1.0) if with_params else None
+  b = random(rng, (c,), pd) if with_params else None
+  return x, dy, w, b
+
+
+class GroupNormOpTests:
+  """The GroupNorm op suite; subclasses set ``implementation``."""
+
+  implementation = None
+
+  @pytest.mark.parametrize("dtype", DTYPES)
+  @pytest.mark.parametrize("shape,n,c,hw,group,channels_last", GN_CASES)
+  def test_forward(self, rng, dtype, shape, n, c, hw, group, channels_last):
+    x, _, w, b = _inputs(rng, shape, c, dtype)
+    y, mean, rstd = jn.group_norm_fwd(x, w, b, n, c, hw, group, 1e-5,
+                                      channels_last=channels_last,
+                                      implementation=self.implementation)
+    y_ref, mean_ref, rstd_ref = ref.gn_fwd(x, w, b, n, c, hw, group, 1e-5, channels_last)
+    block = c // group * hw
+    assert y.dtype == dtype and mean.shape == rstd.shape == (n, group)
+    assert mean.dtype == rstd.dtype == jnp.float32
+    assert_close(y, y_ref, dtype, block, "y")
+    assert_close(mean, mean_ref, jnp.float32, block, "mean")
+    assert_close(rstd, rstd_ref, jnp.float32, block, "rstd")
+
+  @pytest.mark.parametrize("dtype", DTYPES)
+  @pytest.mark.parametrize("shape,n,c,hw,group,channels_last", GN_CASES)
+  @pytest.mark.parametrize("with_gamma", [True, False])
+  def test_backward(self, rng, dtype, shape, n, c, hw, group, channels_last, with_gamma):
+    x, dy, w, _ = _inputs(rng, shape, c, dtype, with_params=with_gamma)
+    _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group, 1e-5, channels_last)
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    dx, dg, db = jn.group_norm_backward(dy, x, mean, rstd, w, n, c, hw, group,
+                                        channels_last=channels_last,
+                                        implementation=self.implementation)
+    dx_ref, dg_ref, db_ref = ref.gn_bwd(dy, x, mean, rstd, w, n, c, hw, group, channels_last)
+    assert dx.dtype == dg.dtype == db.dtype == dtype
+    assert dx.shape == x.shape and dg.shape == db.shape == (c,)
+    assert_close(dx, dx_ref, dtype, c // group * hw, "grad_input",
+                 scale=ref.dx_scale(dy, rstd, w))
+    assert_close(dg, dg_ref, dtype, n * hw, "grad_gamma")
+    assert_close(db, db_ref, dtype, n * hw, "grad_beta")
+
+  @pytest.mark.parametrize("mask", MASKS)
+  @pytest.mark.parametrize("channels_last", [False, True])
+  def test_output_mask(self, rng, mask, channels_last):
+    n, c, hw, group = 3, 12, 35, 4
+    x, dy, w, _ = _inputs(rng, (n, c * hw), c, jnp.float32)
+    _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group, 1e-5, channels_last)
+    outs = jn.group_norm_backward(dy, x, mean.astype(np.float32), rstd.astype(np.float32), w,
+                                  n, c, hw, group, mask, channels_last=channels_last,
+                                  implementation=self.implementation)
+    refs = ref.gn_bwd(dy, x, mean, rstd, w, n, c, hw, group, channels_last)
+    for out, expected, m, reduced in zip(outs, refs, mask, (105, 105, 105)):
+      if m:
+        assert_close(out, expected, jnp.float32, reduced)
+      else:
+        assert out is None
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  def test_mixed_precision(self, rng, dtype):
+    n, c, hw, group = 4, 16, 20, 4
+    x, dy, w, _ = _inputs(rng, (n, c, hw), c, dtype, param_dtype=jnp.float32)
+    _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group)
+    mean_d, rstd_d = jnp.asarray(mean, dtype), jnp.asarray(rstd, dtype)
+    dx, dg, db = jn.group_norm_backward(dy, x, mean_d, rstd_d, w, n, c, hw, group,
+                                        implementation=self.implementation)
+    assert dx.dtype == dtype and dg.dtype == db.dtype == jnp.float32
+    refs = ref.gn_bwd(dy, x, np.asarray(mean_d.astype(jnp.float32)),
+                      np.asarray(rstd_d.astype(jnp.float32)), w, n, c, hw, group)
+    assert_close(dx, refs[0], dtype, 80)
+    assert_close(dg, refs[1], jnp.float32, 80)
+    assert_close(db, refs[2], jnp.float32, 80)
+
+  def test_large_group_size(self, rng):
+    # C/group far above the vendor's 8000 limit.
+    n, c, hw, group = 2, 9000, 3, 1
+    x, dy, w, _ = _inputs(rng, (n, c, hw), c, jnp.float32)
+    _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group)
+    outs = jn.group_norm_backward(dy, x, mean.astype(np.float32), rstd.astype(np.float32), w,
+                                  n, c, hw, group, implementation=self.implementation)
+    refs = ref.gn_bwd(dy, x, mean, rstd, w, n, c, hw, group)
+    for out, e, r in zip(outs, refs, (27000, 6, 6)):
+      assert_close(out, e, jnp.float32, r)
+
+  @pytest.mark.parametrize("channels_last", [False, True])
+  def test_deterministic(self, rng, channels_last):
+    n, c, hw, group = 8, 64, 1024, 8
+    x, dy, w, _ = _inputs(rng, (n, c, hw), c, jnp.float32)
+    _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group, 1e-5, channels_last)
+    f = jax.jit(lambda dy, x, m, r, w: jn.group_norm_backward(
+        dy, x, m, r, w, n, c, hw, group, channels_last=channels_last,
+        implementation=self.implementation))
+    args = (dy, x, mean.astype(np.float32), rstd.astype(np.float32), w)
+    first = [np.asarray(o) for o in f(*args)]
+    for _ in range(3):
+      for a, b in zip(first, f(*args)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+class TestGroupNormDefault(GroupNormOpTests):
+  implementation = None
+
+
+class TestGroupNormXla(GroupNormOpTests):
+  implementation = "xla"

@@ -1,0 +1,146 @@
+"""LayerNorm forward/backward ops against the float64 NumPy reference, once per implementation."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_normgrad as jn
+from cases import DTYPES, LN_CASES, LONG_ROW, MASKS, random
+import reference_np as ref
+from tolerances import assert_close
+
+
+def _inputs(rng, shape, norm_shape, dtype, weight_dtype=None, with_bias=True):
+  x = random(rng, shape, dtype, scale=2.0, offset=0.5)
+  dy = random(rng, shape, dtype)
+  wd = weight_dtype or dtype
+  w = random(rng, norm_shape, wd, offset=1.0) if weight_dtype is not False else None
+  b = random(rng, norm_shape, wd) if with_bias and weight_dtype is not False else None
+  return x, dy, w, b
+
+
+class LayerNormOpTests:
+  """The LayerNorm op suite; subclasses set ``implementation``."""
+
+  implementation = None
+
+  @pytest.mark.parametrize("dtype", DTYPES)
+  @pytest.mark.parametrize("shape,norm_shape", LN_CASES)
+  def test_forward(self, rng, dtype, shape, norm_shape):
+    x, _, w, b = _inputs(rng, shape, norm_shape, dtype)
+    y, mean, rstd = jn.layer_norm_fwd(x, norm_shape, w, b, eps=1e-5,
+                                      implementation=self.implementation)
+    y_ref, mean_ref, rstd_ref = ref.ln_fwd(x, len(norm_shape), w, b, 1e-5)
+    h = math.prod(norm_shape)
+    assert y.dtype == dtype and mean.dtype == rstd.dtype == jnp.float32
+    assert mean.shape == rstd.shape == shape[:len(shape) - len(norm_shape)] + (1,) * len(norm_shape)
+    assert_close(y, y_ref, dtype, h, "y")
+    assert_close(mean, mean_ref, jnp.float32, h, "mean")
+    assert_close(rstd, rstd_ref, jnp.float32, h, "rstd")
+
+  @pytest.mark.parametrize("dtype", DTYPES)
+  @pytest.mark.parametrize("shape,norm_shape", LN_CASES)
+  @pytest.mark.parametrize("with_weight", [True, False])
+  def test_backward(self, rng, dtype, shape, norm_shape, with_weight):
+    x, dy, w, b = _inputs(rng, shape, norm_shape, dtype, None if with_weight else False)
+    mean, rstd = ref.ln_stats(x, len(norm_shape), 1e-5)
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    dx, dw, db = jn.layer_norm_backward(dy, x, norm_shape, mean, rstd, w, b,
+                                        implementation=self.implementation)
+    dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, x, len(norm_shape), mean, rstd, w)
+    h = math.prod(norm_shape)
+    rows = math.prod(shape) // max(h, 1) if h else 0
+    assert dx.dtype == dtype and dw.dtype == db.dtype == dtype
+    assert dw.shape == db.shape == norm_shape
+    assert_close(dx, dx_ref, dtype, h, "grad_input", scale=ref.dx_scale(dy, rstd, w))
+    assert_close(dw, dw_ref, dtype, rows, "grad_weight")
+    assert_close(db, db_ref, dtype, rows, "grad_bias")
+
+  @pytest.mark.parametrize("mask", MASKS)
+  def test_output_mask(self, rng, mask):
+    shape, norm_shape = (13, 42), (42,)
+    x, dy, w, b = _inputs(rng, shape, norm_shape, jnp.float32)
+    mean, rstd = ref.ln_stats(x, 1, 1e-5)
+    outs = jn.layer_norm_backward(dy, x, norm_shape, mean.astype(np.float32),
+                                  rstd.astype(np.float32), w, b, mask,
+                                  implementation=self.implementation)
+    refs = ref.ln_bwd(dy, x, 1, mean, rstd, w)
+    for out, expected, m, reduced in zip(outs, refs, mask, (42, 13, 13)):
+      if m:
+        assert_close(out, expected, jnp.float32, reduced)
+      else:
+        assert out is None
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  def test_mixed_precision_weight_and_stats_in_x_dtype(self, rng, dtype):
+    shape, norm_shape = (33, 130), (130,)
+    x, dy, w, b = _inputs(rng, shape, norm_shape, dtype, weight_dtype=jnp.float32)
+    mean, rstd = ref.ln_stats(x, 1, 1e-5)
+    # Statistics in x's dtype are accepted too.
+    mean_d, rstd_d = jnp.asarray(mean, dtype), jnp.asarray(rstd, dtype)
+    dx, dw, db = jn.layer_norm_backward(dy, x, norm_shape, mean_d, rstd_d, w, b,
+                                        implementation=self.implementation)
+    assert dx.dtype == dtype and dw.dtype == db.dtype == jnp.float32
+    refs = ref.ln_bwd(dy, x, 1, np.asarray(mean_d.astype(jnp.float32)),
+                      np.asarray(rstd_d.astype(jnp.float32)), w)
+    assert_close(dx, refs[0], dtype, 130)
+    assert_close(dw, refs[1], jnp.float32, 33)
+    assert_close(db, refs[2], jnp.float32, 33)
+
+  def test_bias_only_sets_param_grad_dtype(self, rng):
+    x, dy, _, b = _inputs(rng, (5, 24), (24,), jnp.bfloat16, weight_dtype=jnp.float32)
+    mean, rstd = ref.ln_stats(x, 1, 1e-5)
+    _, dw, db = jn.layer_norm_backward(dy, x, 24, mean.astype(np.float32),
+                                       rstd.astype(np.float32), None, b,
+                                       implementation=self.implementation)
+    assert dw.dtype == db.dtype == jnp.float32
+
+  def test_stats_of_any_shape(self, rng):
+    x, dy, w, b = _inputs(rng, (4, 6, 10), (10,), jnp.float32)
+    mean, rstd = ref.ln_stats(x, 1, 1e-5)
+    flat = jn.layer_norm_backward(dy, x, (10,), mean.reshape(24).astype(np.float32),
+                                  rstd.reshape(2, 12).astype(np.float32), w, b,
+                                  implementation=self.implementation)
+    expected = ref.ln_bwd(dy, x, 1, mean, rstd, w)
+    for out, e, r in zip(flat, expected, (10, 24, 24)):
+      assert_close(out, e, jnp.float32, r)
+
+  def test_long_row(self, rng):
+    shape, norm_shape = LONG_ROW
+    x, dy, w, b = _inputs(rng, shape, norm_shape, jnp.float32)
+    y, mean, rstd = jn.layer_norm_fwd(x, norm_shape, w, b, implementation=self.implementation)
+    y_ref, mean_ref, rstd_ref = ref.ln_fwd(x, 1, w, b)
+    assert_close(y, y_ref, jnp.float32, shape[1])
+    assert_close(rstd, rstd_ref, jnp.float32, shape[1])
+    dx, dw, db = jn.layer_norm_backward(dy, x, norm_shape, mean, rstd, w, b,
+                                        implementation=self.implementation)
+    refs = ref.ln_bwd(dy, x, 1, mean, rstd, w)
+    assert_close(dx, refs[0], jnp.float32, shape[1])
+    assert_close(dw, refs[1], jnp.float32, 2)
+    assert_close(db, refs[2], jnp.float32, 2)
+
+  def test_deterministic(self, rng):
+    # Enough rows for many tasks and per-task dweight partials.
+    x, dy, w, b = _inputs(rng, (4099, 257), (257,), jnp.float32)
+    mean, rstd = ref.ln_stats(x, 1, 1e-5)
+    args = (dy, x, 257, mean.astype(np.float32), rstd.astype(np.float32), w, b)
+    f = jax.jit(lambda *a: jn.layer_norm_backward(*a[:2], 257, *a[3:],
+                                                  implementation=self.implementation))
+    first = [np.asarray(o) for o in f(*args)]
+    for _ in range(3):
+      again = f(*args)
+      for a, b_ in zip(first, again):
+        np.testing.assert_array_equal(a, np.asarray(b_))
+
+
+class TestLayerNormDefault(LayerNormOpTests):
+  implementation = None
+
+
+class TestLayerNormXla(LayerNormOpTests):
+  implementation = "xla"
