@@ -32,6 +32,10 @@ def as_array(name: str, value: Any) -> jax.Array:
   if value is None:
     raise TypeError(f"{name}: expected an array, got None")
   if isinstance(value, (jax.Array, np.ndarray, np.generic, numbers.Number)) or hasattr(value, "__jax_array__"):
+    # Refuse float64 before jnp.asarray would silently narrow it (x64 off).
+    if getattr(value, "dtype", None) == np.float64:
+      raise TypeError(f"{name}: expected dtype in ({_dtype_names(SUPPORTED_DTYPES)}), got float64 "
+                      "(float64 is not supported by the kernels: cast to float32)")
     return jnp.asarray(value)
   raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
 

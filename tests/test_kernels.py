@@ -1,0 +1,123 @@
+"""The real kernels are used: custom calls in the lowered text, FFI error handling, announced fallbacks."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_normgrad as jn
+from jax_normgrad import _ffi
+
+x = jnp.ones((8, 32), jnp.float32)
+w = jnp.ones((32,), jnp.float32)
+gx = jnp.ones((2, 8, 3, 3), jnp.float32)
+
+
+def _ln_loss(implementation):
+  return lambda x, w: jnp.sum(jn.layer_norm(x, w, w, implementation=implementation) ** 2)
+
+
+def _gn_loss(implementation):
+  return lambda x, w: jnp.sum(jn.group_norm(x, 4, w[:8], w[:8], implementation=implementation) ** 2)
+
+
+@pytest.mark.parametrize("loss,args,op", [(_ln_loss, (x, w), "layer_norm"), (_gn_loss, (gx, w), "group_norm")])
+def test_default_cpu_path_is_the_custom_call(loss, args, op):
+  text = jax.jit(jax.grad(loss(None), argnums=(0, 1))).lower(*args).as_text()
+  assert f"custom_call @jax_normgrad_{op}_fwd" in text
+  assert f"custom_call @jax_normgrad_{op}_bwd" in text
+  forced = jax.jit(jax.grad(loss("ffi"), argnums=(0, 1))).lower(*args).as_text()
+  assert f"custom_call @jax_normgrad_{op}_bwd" in forced
+
+
+@pytest.mark.parametrize("loss,args", [(_ln_loss, (x, w)), (_gn_loss, (gx, w))])
+def test_xla_implementation_has_no_custom_call(loss, args):
+  text = jax.jit(jax.grad(loss("xla"), argnums=(0, 1))).lower(*args).as_text()
+  assert "custom_call @jax_normgrad_" not in text
+
+
+def test_backward_ops_lower_to_custom_call():
+  mean = jnp.zeros((8,))
+  f = jax.jit(lambda dy, x: jn.layer_norm_backward(dy, x, 32, mean, mean + 1, w))
+  assert "custom_call @jax_normgrad_layer_norm_bwd" in f.lower(x, x).as_text()
+  g = jax.jit(lambda dy, x: jn.group_norm_backward(dy, x, jnp.zeros((2, 4)), jnp.ones((2, 4)),
+                                                   None, 2, 8, 9, 4))
+  assert "custom_call @jax_normgrad_group_norm_bwd" in g.lower(gx, gx).as_text()
+
+
+def test_registered_targets():
+  assert _ffi.available()
+  assert set(_ffi.TARGETS) == set(_ffi._ext.registrations())
+
+
+def test_fallback_on_platform_without_kernel_is_announced():
+  f = jax.jit(jax.grad(_ln_loss(None), argnums=(0, 1)))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from jax_normgrad import _implementation
+    _implementation._warn_once.cache_clear()
+    exported = jax.export.export(f, platforms=["tpu"])(x, w)
+  assert any(issubclass(c.category, jn.FallbackWarning) for c in caught)
+  assert "custom_call @jax_normgrad_" not in exported.mlir_module()
+
+
+def test_ffi_on_other_platform_raises():
+  f = jax.jit(_ln_loss("ffi"))
+  with pytest.raises(ValueError, match="implementation='ffi'"):
+    jax.export.export(f, platforms=["tpu"])(x, w)
+
+
+# The C++ handlers check what they rely on and return an FFI error (never crash).
+def _raw(target, out_types, *operands, **attrs):
+  return jax.jit(lambda *ops: _ffi.call(target, out_types, *ops, **attrs))(*operands)
+
+
+def _sds(shape, dtype=jnp.float32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+BAD_FFI_CALLS = [
+    # rstd of the wrong length.
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8))],
+     (np.ones((4, 8), np.float32), np.ones((4, 8), np.float32), np.ones(4, np.float32),
+      np.ones(3, np.float32), None),
+     dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
+          compute_dbias=True, centered=True), "rstd"),
+    # dy of another dtype than x.
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8))],
+     (np.ones((4, 8), np.float16), np.ones((4, 8), np.float32), np.ones(4, np.float32),
+      np.ones(4, np.float32), None),
+     dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
+          compute_dbias=True, centered=True), "grad_out"),
+    # param_groups that does not divide the rows.
+    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8)), _sds((4,)), _sds((4,))],
+     (np.ones((4, 8), np.float32), None, None),
+     dict(eps=1e-5, param_groups=3, has_weight=False, has_bias=False, centered=True),
+     "param_groups"),
+    # integer x.
+    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.int32), _sds((4,)), _sds((4,))],
+     (np.ones((4, 8), np.int32), None, None),
+     dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True),
+     "unsupported dtype"),
+    # group that does not divide C.
+    ("jax_normgrad_group_norm_bwd", [_sds((2, 6, 5)), _sds((1, 6)), _sds((1, 6))],
+     (np.ones((2, 6, 5), np.float32), np.ones((2, 6, 5), np.float32), np.ones((2, 4), np.float32),
+      np.ones((2, 4), np.float32), None),
+     dict(group=4, param_groups=1, channels_last=False, has_gamma=False, compute_dx=True,
+          compute_dgamma=True, compute_dbeta=True), "group"),
+    # gamma said present but missing.
+    ("jax_normgrad_group_norm_fwd", [_sds((2, 6, 5)), _sds((2, 3)), _sds((2, 3))],
+     (np.ones((2, 6, 5), np.float32), None, None),
+     dict(eps=1e-5, group=3, param_groups=1, channels_last=False, has_weight=True,
+          has_bias=False), "weight"),
+]
+
+
+@pytest.mark.parametrize("target,out_types,operands,attrs,match", BAD_FFI_CALLS)
+def test_ffi_handlers_return_errors(target, out_types, operands, attrs, match):
+  with pytest.raises(Exception, match=match):
+    jax.block_until_ready(_raw(target, out_types, *operands, **attrs))
