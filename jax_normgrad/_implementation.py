@@ -63,6 +63,21 @@ def resolve(implementation: str | None, platform: str, op: str, available: dict[
   return implementation
 
 
+#: primitive name -> platform -> {implementation: lowering function or None}.
+_REGISTRY: dict[str, dict[str, dict[str, Callable | None]]] = {}
+
+
+def default_for(prim_name: str, platform: str) -> str:
+  """The implementation ``implementation=None`` lowers ``prim_name`` with on ``platform``."""
+  available = _REGISTRY[prim_name][platform]
+  default = "ffi" if platform == "cpu" else "pallas"
+  return default if available.get(default) is not None else "xla"
+
+
+def primitive_names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
 def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
                        pallas: Callable | None = None) -> None:
   """Registers one lowering rule per platform that dispatches on ``implementation``.
@@ -74,6 +89,7 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
   """
   def make_rule(platform):
     available = {"xla": xla, "ffi": ffi if platform == "cpu" else None, "pallas": pallas}
+    _REGISTRY.setdefault(prim.name, {})[platform] = available
 
     def rule(ctx, *args, implementation, **params):
       impl = resolve(implementation, platform, prim.name, available)

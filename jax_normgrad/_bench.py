@@ -1,0 +1,152 @@
+"""Timing helpers and the comparison workloads shared by the CLI and benchmarks/.
+
+A workload builds jitted callables for this package and for XLA's autodiff of
+the equivalent jnp layer on the same inputs; ``median_ms`` times them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_normgrad as jn
+
+
+def median_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15, min_time_s: float = 0.0) -> float:
+  """Median wall time of ``fn(*args)`` in milliseconds, after warm-up, blocking on the result."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  start = time.perf_counter()
+  while len(times) < iters or time.perf_counter() - start < min_time_s:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times)
+
+
+def time_variant(variant, **kw) -> float:
+  """Times a ``(jitted fn, args)`` pair of a :class:`Workload`."""
+  fn, args = variant
+  return median_ms(fn, *args, **kw)
+
+
+# ----------------------------------------------------------------------------
+# jnp layers: what a JAX user writes today; XLA's autodiff differentiates them.
+
+
+def jnp_layer_norm(x, weight, bias, eps=1e-5):
+  x32 = x.astype(jnp.float32)
+  mean = jnp.mean(x32, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+  y = (x32 - mean) * jax.lax.rsqrt(var + eps) * weight + bias
+  return y.astype(x.dtype)
+
+
+def jnp_group_norm(x, groups, weight, bias, eps=1e-5):
+  """NCHW GroupNorm."""
+  n, c = x.shape[:2]
+  xb = x.reshape(n, groups, -1).astype(jnp.float32)
+  mean = jnp.mean(xb, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(xb - mean), axis=-1, keepdims=True)
+  y = ((xb - mean) * jax.lax.rsqrt(var + eps)).reshape(x.shape)
+  shape = (1, c) + (1,) * (x.ndim - 2)
+  return (y * weight.reshape(shape) + bias.reshape(shape)).astype(x.dtype)
+
+
+@dataclasses.dataclass
+class Workload:
+  """One shape: jitted (fn, args) pairs for each measured variant."""
+
+  name: str
+  nbytes_bwd: int  # bytes a backward must move: read x, dy; write dx.
+  ours_bwd: tuple
+  xla_bwd: tuple
+  ours_fwd: tuple
+  xla_fwd: tuple
+  ours_grad: tuple
+  xla_grad: tuple
+
+
+def _call_vjp(vjp_fn, ct):
+  return vjp_fn(ct)
+
+
+def _pure_backward(f, primals, ct):
+  """XLA's autodiff backward alone: residuals computed once, the pullback jitted."""
+  _, vjp_fn = jax.vjp(f, *primals)
+  return jax.jit(_call_vjp), (vjp_fn, ct)
+
+
+def layer_norm_workload(rows: int, hidden: int, dtype=jnp.float32, seed: int = 0) -> Workload:
+  k = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(k[0], (rows, hidden), jnp.float32).astype(dtype)
+  dy = jax.random.normal(k[1], (rows, hidden), jnp.float32).astype(dtype)
+  w = (1 + 0.1 * jax.random.normal(k[2], (hidden,))).astype(dtype)
+  b = (0.1 * jax.random.normal(k[3], (hidden,))).astype(dtype)
+  _, mean, rstd = jn.layer_norm_fwd(x, hidden, w, b)
+  ours_bwd = jax.jit(lambda dy, x, m, r, w, b: jn.layer_norm_backward(dy, x, hidden, m, r, w, b))
+  ours_fwd = jax.jit(lambda x, w, b: jn.layer_norm_fwd(x, hidden, w, b))
+  loss = lambda f: lambda x, w, b, dy: jnp.vdot(f(x, w, b).astype(jnp.float32), dy.astype(jnp.float32))
+  grad = lambda f: jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))
+  ours = lambda x, w, b: jn.layer_norm(x, w, b)
+  return Workload(
+      name=f"LayerNorm {rows}x{hidden} {jnp.dtype(dtype).name}",
+      nbytes_bwd=3 * x.size * x.dtype.itemsize,
+      ours_bwd=(ours_bwd, (dy, x, mean, rstd, w, b)),
+      xla_bwd=_pure_backward(jnp_layer_norm, (x, w, b), dy),
+      ours_fwd=(ours_fwd, (x, w, b)),
+      xla_fwd=(jax.jit(jnp_layer_norm), (x, w, b)),
+      ours_grad=(grad(ours), (x, w, b, dy)),
+      xla_grad=(grad(jnp_layer_norm), (x, w, b, dy)),
+  )
+
+
+def group_norm_workload(n: int, c: int, h: int, w_: int, groups: int, dtype=jnp.float32,
+                        seed: int = 0) -> Workload:
+  k = jax.random.split(jax.random.key(seed), 4)
+  shape = (n, c, h, w_)
+  x = jax.random.normal(k[0], shape, jnp.float32).astype(dtype)
+  dy = jax.random.normal(k[1], shape, jnp.float32).astype(dtype)
+  g = (1 + 0.1 * jax.random.normal(k[2], (c,))).astype(dtype)
+  b = (0.1 * jax.random.normal(k[3], (c,))).astype(dtype)
+  hw = h * w_
+  _, mean, rstd = jn.group_norm_fwd(x, g, b, n, c, hw, groups)
+  ours_bwd = jax.jit(lambda dy, x, m, r, g: jn.group_norm_backward(dy, x, m, r, g, n, c, hw, groups))
+  ours_fwd = jax.jit(lambda x, g, b: jn.group_norm_fwd(x, g, b, n, c, hw, groups))
+  ref = lambda x, g, b: jnp_group_norm(x, groups, g, b)
+  ours = lambda x, g, b: jn.group_norm(x, groups, g, b)
+  loss = lambda f: lambda x, g, b, dy: jnp.vdot(f(x, g, b).astype(jnp.float32), dy.astype(jnp.float32))
+  grad = lambda f: jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))
+  return Workload(
+      name=f"GroupNorm {n}x{c}x{h}x{w_} g{groups} {jnp.dtype(dtype).name}",
+      nbytes_bwd=3 * x.size * x.dtype.itemsize,
+      ours_bwd=(ours_bwd, (dy, x, mean, rstd, g)),
+      xla_bwd=_pure_backward(ref, (x, g, b), dy),
+      ours_fwd=(ours_fwd, (x, g, b)),
+      xla_fwd=(jax.jit(ref), (x, g, b)),
+      ours_grad=(grad(ours), (x, g, b, dy)),
+      xla_grad=(grad(ref), (x, g, b, dy)),
+  )
+
+
+def versions() -> dict:
+  import platform
+  import os
+  return {
+      "jax": jax.__version__,
+      "jaxlib": jax.lib.__version__ if hasattr(jax, "lib") else "?",
+      "jax_normgrad": jn.__version__,
+      "numpy": np.__version__,
+      "python": platform.python_version(),
+      "machine": platform.machine(),
+      "cpus": os.cpu_count(),
+      "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()],
+  }
