@@ -1,0 +1,201 @@
+"""CPU benchmark: jax_normgrad against XLA's autodiff of jnp layers and PyTorch, with the bandwidth floor.
+
+Run from the repository root after `pip install .`:
+
+    python benchmarks/bench_cpu.py                   # the issue's rows + a hidden-size sweep
+    python benchmarks/bench_cpu.py --quick           # the issue's rows only
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 \
+        python benchmarks/bench_cpu.py               # without fresh-mmap page faults
+
+Every figure is a median after warm-up (block_until_ready), all variants of a
+row measured in the same process one after another. The floor of a backward
+is the bytes it must move (read x and dy, write dx) over the memory bandwidth
+measured in the same run (a STREAM-like triad in NumPy). Writes a JSON file
+and, with matplotlib, a PNG of throughput against hidden size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_normgrad import _bench
+
+ISSUE_ROWS = [
+    ("ln", (8192, 1024), jnp.float32),
+    ("ln", (64, 65536), jnp.float32),
+    ("ln", (16384, 512), jnp.float32),
+    ("ln", (8192, 1024), jnp.bfloat16),
+    ("gn", (4, 512, 64, 64, 32), jnp.float32),
+]
+SWEEP_HIDDEN = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+SWEEP_ELEMENTS = 1 << 23  # rows * hidden per sweep point (32 MiB of float32)
+
+
+def triad_bandwidth_gbs(n: int = 1 << 24, iters: int = 10) -> float:
+  """STREAM-triad-like a = b + s * c with NumPy (one thread), in GB/s (3 arrays moved)."""
+  b = np.random.rand(n).astype(np.float32)
+  c = np.random.rand(n).astype(np.float32)
+  a = np.empty_like(b)
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    np.multiply(c, np.float32(1.5), out=a)
+    np.add(a, b, out=a)
+    times.append(time.perf_counter() - t0)
+  # multiply + add in place moves ~5 arrays' worth; count 5 * n * 4 bytes.
+  return 5 * n * 4 / np.median(times) / 1e9
+
+
+def torch_times(kind, shape, dtype, iters):
+  """PyTorch native kernels: backward alone and forward, in ms (None when not installed)."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  tdtype = {jnp.dtype(jnp.float32): torch.float32, jnp.dtype(jnp.bfloat16): torch.bfloat16,
+            jnp.dtype(jnp.float16): torch.float16}[jnp.dtype(dtype)]
+  torch.manual_seed(0)
+  if kind == "ln":
+    rows, hidden = shape
+    x = torch.randn(rows, hidden, dtype=tdtype, requires_grad=True)
+    w = torch.randn(hidden, dtype=tdtype, requires_grad=True)
+    b = torch.randn(hidden, dtype=tdtype, requires_grad=True)
+    fwd = lambda: torch.nn.functional.layer_norm(x, (hidden,), w, b)
+  else:
+    n, c, h, w_, groups = shape
+    x = torch.randn(n, c, h, w_, dtype=tdtype, requires_grad=True)
+    w = torch.randn(c, dtype=tdtype, requires_grad=True)
+    b = torch.randn(c, dtype=tdtype, requires_grad=True)
+    fwd = lambda: torch.nn.functional.group_norm(x, groups, w, b)
+  dy = torch.randn_like(x)
+
+  def bwd_once():
+    y = fwd()
+    t0 = time.perf_counter()
+    torch.autograd.grad(y, (x, w, b), dy)
+    return time.perf_counter() - t0
+
+  def fwd_once():
+    with torch.no_grad():
+      t0 = time.perf_counter()
+      fwd()
+      return time.perf_counter() - t0
+
+  for _ in range(3):
+    bwd_once(), fwd_once()
+  return {"bwd_ms": 1e3 * float(np.median([bwd_once() for _ in range(iters)])),
+          "fwd_ms": 1e3 * float(np.median([fwd_once() for _ in range(iters)]))}
+
+
+def measure(kind, shape, dtype, bandwidth, iters):
+  wl = (_bench.layer_norm_workload(*shape, dtype) if kind == "ln"
+        else _bench.group_norm_workload(*shape, dtype))
+  row = {"workload": wl.name, "kind": kind, "shape": list(shape), "dtype": jnp.dtype(dtype).name}
+  for variant in ("bwd", "fwd", "grad"):
+    for who in ("ours", "xla"):
+      row[f"{variant}_{who}_ms"] = _bench.time_variant(getattr(wl, f"{who}_{variant}"), iters=iters)
+  t = torch_times(kind, shape, dtype, iters)
+  if t:
+    row["bwd_torch_ms"], row["fwd_torch_ms"] = t["bwd_ms"], t["fwd_ms"]
+  row["bwd_floor_ms"] = wl.nbytes_bwd / (bandwidth * 1e9) * 1e3
+  row["bwd_ours_gbs"] = wl.nbytes_bwd / (row["bwd_ours_ms"] * 1e-3) / 1e9
+  row["bwd_vs_xla"] = row["bwd_xla_ms"] / row["bwd_ours_ms"]
+  row["bwd_vs_floor"] = row["bwd_ours_ms"] / row["bwd_floor_ms"]
+  if t:
+    row["bwd_vs_torch"] = row["bwd_torch_ms"] / row["bwd_ours_ms"]
+  row["grad_vs_xla"] = row["grad_xla_ms"] / row["grad_ours_ms"]
+  return row
+
+
+def print_table(rows):
+  print(f"{'workload':36s} {'floor':>6s} {'ours':>7s} {'XLA':>7s} {'torch':>7s}"
+        f" {'xXLA':>6s} {'xtorch':>7s} {'/floor':>7s} | {'fwd ours':>8s} {'XLA':>7s} {'torch':>7s}"
+        f" | {'grad ours':>9s} {'XLA':>7s}")
+  for r in rows:
+    torch_b = f"{r['bwd_torch_ms']:7.2f}" if "bwd_torch_ms" in r else "      -"
+    torch_f = f"{r['fwd_torch_ms']:7.2f}" if "fwd_torch_ms" in r else "      -"
+    vs_t = f"{r['bwd_vs_torch']:6.2f}x" if "bwd_vs_torch" in r else "      -"
+    print(f"{r['workload']:36s} {r['bwd_floor_ms']:6.2f} {r['bwd_ours_ms']:7.2f} "
+          f"{r['bwd_xla_ms']:7.2f} {torch_b} {r['bwd_vs_xla']:5.1f}x {vs_t} "
+          f"{r['bwd_vs_floor']:6.2f}x | {r['fwd_ours_ms']:8.2f} {r['fwd_xla_ms']:7.2f} {torch_f} | "
+          f"{r['grad_ours_ms']:9.2f} {r['grad_xla_ms']:7.2f}", flush=True)
+
+
+def plot(rows, path):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot")
+    return
+  sweep = [r for r in rows if r.get("sweep")]
+  if not sweep:
+    return
+  fig, ax = plt.subplots(figsize=(7, 4))
+  hidden = [r["shape"][1] for r in sweep]
+  for key, label in (("bwd_ours_ms", "jax_normgrad"), ("bwd_xla_ms", "XLA autodiff"),
+                     ("bwd_torch_ms", "PyTorch"), ("bwd_floor_ms", "bandwidth floor")):
+    if all(key in r for r in sweep):
+      gbs = [r["nbytes"] / (r[key] * 1e-3) / 1e9 for r in sweep]
+      ax.plot(hidden, gbs, marker="o", label=label, linestyle="--" if "floor" in key else "-")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("hidden size (rows x hidden = 2^23, float32)")
+  ax.set_ylabel("LayerNorm backward GB/s (x, dy read; dx written)")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="the issue's rows only, no sweep")
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--out", default="benchmarks/results/cpu.json")
+  parser.add_argument("--plot", default="benchmarks/results/cpu_ln_sweep.png")
+  args = parser.parse_args(argv)
+
+  info = _bench.versions()
+  try:
+    import torch
+    info["torch"] = torch.__version__
+    info["torch_threads"] = torch.get_num_threads()
+  except ImportError:
+    info["torch"] = None
+  info["GLIBC_TUNABLES"] = os.environ.get("GLIBC_TUNABLES", "")
+  bandwidth = triad_bandwidth_gbs()
+  info["triad_gbs"] = bandwidth
+  print(json.dumps(info))
+  print(f"memory bandwidth (NumPy triad, 1 thread): {bandwidth:.1f} GB/s")
+  rows = []
+  for kind, shape, dtype in ISSUE_ROWS:
+    rows.append(measure(kind, shape, dtype, bandwidth, args.iters))
+    print_table(rows[-1:])
+  if not args.quick:
+    print("\nsweep, float32 LayerNorm, rows x hidden = 2^23:")
+    for hidden in SWEEP_HIDDEN:
+      r = measure("ln", (SWEEP_ELEMENTS // hidden, hidden), jnp.float32, bandwidth, args.iters)
+      r["sweep"], r["nbytes"] = True, 3 * SWEEP_ELEMENTS * 4
+      rows.append(r)
+      print_table([r])
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+  print(f"wrote {out}")
+  if not args.quick:
+    plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
