@@ -19,3 +19,11 @@ def test_ci_runs_the_readme_test_command():
 
 def test_readme_main_job_command():
   assert "pip install . && python -m jax_normgrad" in _commands()
+
+
+def test_readme_example_runs():
+  block = re.findall(r"```python\n(.+?)\n```", (ROOT / "README.md").read_text(), re.S)[0]
+  namespace = {}
+  exec(compile(block, "README.md", "exec"), namespace)
+  grads = namespace["grads"]
+  assert set(grads) == {"ln_w", "ln_b", "proj", "gn_w", "gn_b"}
