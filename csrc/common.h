@@ -14,9 +14,21 @@
 
 #include "xla/ffi/api/ffi.h"
 
+// Every kernel source is compiled once per instruction set (CMakeLists.txt);
+// JNG_ISA names the namespace of one such build, so the copies never mix.
+#ifndef JNG_ISA
+#define JNG_ISA generic
+#endif
+#define JNG_CAT2(a, b) a##_##b
+#define JNG_CAT(a, b) JNG_CAT2(a, b)
+// The FFI handler symbol of this ISA's build: JNG_HANDLER(JngX) = JngX_avx2, ...
+#define JNG_HANDLER(name) JNG_CAT(name, JNG_ISA)
+
 namespace jax_normgrad {
 
 namespace ffi = xla::ffi;
+
+namespace JNG_ISA {
 
 // ---------------------------------------------------------------------------
 // Element types. Kernels are templated on a storage type; all arithmetic is
@@ -225,12 +237,13 @@ inline ffi::Error CheckSize(const char* name, int64_t actual, int64_t expected) 
   return ffi::Error::Success();
 }
 
+}  // namespace JNG_ISA
+}  // namespace jax_normgrad
+
 #define JNG_RETURN_IF_ERROR(expr)         \
   do {                                    \
     ::xla::ffi::Error _err = (expr);      \
     if (_err.failure()) return _err;      \
   } while (0)
-
-}  // namespace jax_normgrad
 
 #endif  // JAX_NORMGRAD_CSRC_COMMON_H_

@@ -2,19 +2,25 @@
 //
 // x is (N, C, HW) (channels_last=false) or (N, HW, C) (channels_last=true),
 // both read in place, never transposed. Statistics are (N, G) float32; gamma
-// and beta arrive as float32 (C). Each (n, g) block has D = C/G * HW elements.
+// and beta arrive as float32 (W, C): the samples form W equal contiguous
+// parameter groups (W > 1 only under vmap with per-example parameters).
+// Each (n, g) block has D = C/G * HW elements.
 //
 // Backward, per block (means over the block, g = dy * gamma[c]):
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
 // computed from per-(n, c) sums db = sum_hw dy and ds = sum_hw dy * (x - mean):
 //   sum(g) = sum_c gamma[c] db[n,c],  sum(g xhat) = rstd sum_c gamma[c] ds[n,c],
-//   dgamma[c] = sum_n rstd[n,g] ds[n,c],  dbeta[c] = sum_n db[n,c]  (n ascending).
+//   dgamma[c] = sum_n rstd[n,g] ds[n,c],  dbeta[c] = sum_n db[n,c]  (n ascending),
+// and written as dx = a[c] dy - b - k (x - mean) with a = rstd gamma[c],
+// b = rstd mean(g), k = rstd^2 mean(g xhat): one FMA chain per element.
 #include <cmath>
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace jax_normgrad {
+namespace JNG_ISA {
 namespace {
 
 struct GnShape {
@@ -37,12 +43,12 @@ int64_t ChunksPerSample(const GnShape& s) {
 }
 
 // Channels-last: for every sample n and chunk p of its hw range, calls
-// fn(n, hw_begin, hw_end, task_index) on the pool. Task index = n * P + p.
+// fn(n, hw_begin, hw_end, unit) on the pool, unit = n * P + p.
 template <typename Fn>
 void ForEachHwChunk(ffi::ThreadPool* pool, const GnShape& s, int64_t P, const Fn& fn) {
-  const int64_t per_task = std::max<int64_t>(1, CeilDiv(kMinElementsPerTask, std::max<int64_t>(s.HW * s.C / P, 1)));
+  const int64_t unit_elems = std::max<int64_t>(s.HW * s.C / P, 1);
   const int64_t units = s.N * P;
-  const int64_t tasks = NumTasks(units, per_task, kMaxTasks);
+  const int64_t tasks = NumTasks(units, CeilDiv(kMinElementsPerTask, unit_elems), kMaxTasks);
   ParallelFor(pool, tasks, [&](int64_t t) {
     for (int64_t u = BlockBegin(units, tasks, t); u < BlockBegin(units, tasks, t + 1); ++u) {
       const int64_t n = u / P, p = u % P;
@@ -51,28 +57,30 @@ void ForEachHwChunk(ffi::ThreadPool* pool, const GnShape& s, int64_t P, const Fn
   });
 }
 
-// Channels-last column sums: out[n*C + c] = sum_hw f(n, hw, c), accumulated
-// per chunk then over chunks in order.
+// Channels-last column sums: out[n * width + k] = sum over hw of the values
+// that row_fn(n, hw, acc) adds into acc[0..width); per chunk, then over chunks
+// in order (deterministic).
 template <typename Fn>
-void ColumnSums(ffi::ThreadPool* pool, const GnShape& s, const Fn& f, float* out) {
+void ColumnSums(ffi::ThreadPool* pool, const GnShape& s, int64_t width, const Fn& row_fn,
+                float* out) {
   const int64_t P = ChunksPerSample(s);
-  std::vector<float> part(static_cast<size_t>(s.N * P * s.C), 0.f);
+  std::vector<float> part(static_cast<size_t>(s.N * P * width), 0.f);
   ForEachHwChunk(pool, s, P, [&](int64_t n, int64_t hb, int64_t he, int64_t u) {
-    float* acc = part.data() + u * s.C;
-    for (int64_t hw = hb; hw < he; ++hw) f(n, hw, acc);
+    float* acc = part.data() + u * width;
+    for (int64_t hw = hb; hw < he; ++hw) row_fn(n, hw, acc);
   });
   for (int64_t n = 0; n < s.N; ++n) {
-    float* o = out + n * s.C;
-    std::copy(part.data() + n * P * s.C, part.data() + (n * P + 1) * s.C, o);
+    float* o = out + n * width;
+    std::copy(part.data() + n * P * width, part.data() + (n * P + 1) * width, o);
     for (int64_t p = 1; p < P; ++p) {
-      const float* src = part.data() + (n * P + p) * s.C;
-      for (int64_t c = 0; c < s.C; ++c) o[c] += src[c];
+      const float* src = part.data() + (n * P + p) * width;
+      for (int64_t k = 0; k < width; ++k) o[k] += src[k];
     }
   }
 }
 
-// Per-(n, c) values of per-(n, g) statistics, so channels-last inner loops run
-// over contiguous c.
+// Per-(n, c) values of a per-(n, g) statistic, so channels-last inner loops
+// run over contiguous c.
 std::vector<float> ExpandGroups(const GnShape& s, const float* per_group) {
   std::vector<float> out(static_cast<size_t>(s.N * s.C));
   for (int64_t n = 0; n < s.N; ++n)
@@ -80,7 +88,7 @@ std::vector<float> ExpandGroups(const GnShape& s, const float* per_group) {
   return out;
 }
 
-// Group statistic from per-(n, c) sums: out[n, g] = sum_{c in g} v[n, c] * scale.
+// out[n, g] = scale * sum_{c in g} v[n, c].
 void GroupSums(const GnShape& s, const float* v, float scale, float* out) {
   for (int64_t n = 0; n < s.N; ++n)
     for (int64_t g = 0; g < s.G; ++g) {
@@ -89,6 +97,38 @@ void GroupSums(const GnShape& s, const float* v, float scale, float* out) {
       out[n * s.G + g] = acc * scale;
     }
 }
+
+// Per-(n, c) backward coefficients: dx = a dy - b - k (x - mean) where
+//   a = rstd gamma[c],  b = rstd mean(g),  k = rstd^2 mean(g xhat),
+// i.e. rstd * (g - mean(g) - xhat * mean(g xhat)) with xhat = (x - mean) rstd.
+struct BwdCoefficients {
+  std::vector<float> a, b, k;
+  BwdCoefficients(const GnShape& s, const float* rstd, const float* gamma, const float* db,
+                  const float* ds)
+      : a(s.N * s.C), b(s.N * s.C), k(s.N * s.C) {
+    const float inv_d = 1.0f / static_cast<float>(s.D());
+    for (int64_t n = 0; n < s.N; ++n) {
+      const float* gn = s.ParamRow(gamma, n);
+      for (int64_t g = 0; g < s.G; ++g) {
+        float sum_g = 0.f, sum_gdx = 0.f;  // sum(g), sum(g (x - mean))
+        for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
+          const float gm = gn ? gn[c] : 1.f;
+          sum_g += gm * db[n * s.C + c];
+          sum_gdx += gm * ds[n * s.C + c];
+        }
+        const float rs = rstd[n * s.G + g];
+        const float mean_g = sum_g * inv_d;
+        const float mean_gxhat = sum_gdx * rs * inv_d;
+        for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
+          const int64_t i = n * s.C + c;
+          a[i] = rs * (gn ? gn[c] : 1.f);
+          b[i] = rs * mean_g;
+          k[i] = rs * rs * mean_gxhat;
+        }
+      }
+    }
+  }
+};
 
 template <typename T>
 void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
@@ -101,13 +141,14 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
       const int64_t n = bi / s.G, g = bi % s.G;
       const int64_t off = (n * s.C + g * s.Cg) * s.HW;
       const T* xb = x + off;
-      Lanes sx;
-      RowLoop(D, [&](int k, int64_t j) { sx.v[k] += ToFloat(xb[j]); });
+      Acc sx;
+      ForRow(D, [&](auto tag, int64_t j) { sx.Add(Ld(tag, xb + j)); });
       const float mu = sx.Sum() * inv_d;
-      Lanes sq;
-      RowLoop(D, [&](int k, int64_t j) {
-        float d = ToFloat(xb[j]) - mu;
-        sq.v[k] += d * d;
+      // Two-pass variance (the block is in cache): no E[x^2] - E[x]^2 cancellation.
+      Acc sq;
+      ForRow(D, [&](auto tag, int64_t j) {
+        auto d = Ld(tag, xb + j) - mu;
+        sq.Add(d * d);
       });
       const float rs = 1.0f / std::sqrt(sq.Sum() * inv_d + eps);
       mean[bi] = mu;
@@ -116,10 +157,10 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
       const float* bn = s.ParamRow(b, n);
       for (int64_t ci = 0; ci < s.Cg; ++ci) {
         const int64_t c = g * s.Cg + ci;
-        const float a = wn ? wn[c] : 1.f, bb = bn ? bn[c] : 0.f;
+        const float a = rs * (wn ? wn[c] : 1.f), bb = bn ? bn[c] : 0.f;
         const T* xc = xb + ci * s.HW;
         T* yc = y + off + ci * s.HW;
-        for (int64_t j = 0; j < s.HW; ++j) yc[j] = FromFloat<T>((ToFloat(xc[j]) - mu) * rs * a + bb);
+        ForRow(s.HW, [&](auto tag, int64_t j) { St(tag, yc + j, (Ld(tag, xc + j) - mu) * a + bb); });
       }
     }
   });
@@ -130,38 +171,42 @@ void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
                       const float* b, float eps, T* y, float* mean, float* rstd) {
   const float inv_d = 1.0f / static_cast<float>(s.D());
   std::vector<float> col(static_cast<size_t>(s.N * s.C));
-  ColumnSums(pool, s, [&](int64_t n, int64_t hw, float* acc) {
+  ColumnSums(pool, s, s.C, [&](int64_t n, int64_t hw, float* acc) {
     const T* xr = x + (n * s.HW + hw) * s.C;
-    for (int64_t c = 0; c < s.C; ++c) acc[c] += ToFloat(xr[c]);
+    ForRow(s.C, [&](auto tag, int64_t c) { St(tag, acc + c, Ld(tag, acc + c) + Ld(tag, xr + c)); });
   }, col.data());
   GroupSums(s, col.data(), inv_d, mean);
   std::vector<float> mu_c = ExpandGroups(s, mean);
-  ColumnSums(pool, s, [&](int64_t n, int64_t hw, float* acc) {
+  ColumnSums(pool, s, s.C, [&](int64_t n, int64_t hw, float* acc) {
     const T* xr = x + (n * s.HW + hw) * s.C;
     const float* mu = mu_c.data() + n * s.C;
-    for (int64_t c = 0; c < s.C; ++c) {
-      float d = ToFloat(xr[c]) - mu[c];
-      acc[c] += d * d;
-    }
+    ForRow(s.C, [&](auto tag, int64_t c) {
+      auto d = Ld(tag, xr + c) - Ld(tag, mu + c);
+      St(tag, acc + c, Ld(tag, acc + c) + d * d);
+    });
   }, col.data());
   GroupSums(s, col.data(), inv_d, rstd);
   for (int64_t i = 0; i < s.N * s.G; ++i) rstd[i] = 1.0f / std::sqrt(rstd[i] + eps);
-  // y = xhat * w + b as y = x * a[c] + k[c] per (n, c).
-  std::vector<float> rs_c = ExpandGroups(s, rstd);
-  ForEachHwChunk(pool, s, ChunksPerSample(s), [&](int64_t n, int64_t hb, int64_t he, int64_t) {
-    const float* mu = mu_c.data() + n * s.C;
-    const float* rs = rs_c.data() + n * s.C;
+  // y = (x - mean[c]) * a[c] + b[c] per (n, c), a = rstd * weight.
+  std::vector<float> a_c = ExpandGroups(s, rstd), b_c(static_cast<size_t>(s.N * s.C), 0.f);
+  for (int64_t n = 0; n < s.N; ++n) {
     const float* wn = s.ParamRow(w, n);
     const float* bn = s.ParamRow(b, n);
+    for (int64_t c = 0; c < s.C; ++c) {
+      if (wn) a_c[n * s.C + c] *= wn[c];
+      if (bn) b_c[n * s.C + c] = bn[c];
+    }
+  }
+  ForEachHwChunk(pool, s, ChunksPerSample(s), [&](int64_t n, int64_t hb, int64_t he, int64_t) {
+    const float* mu = mu_c.data() + n * s.C;
+    const float* a = a_c.data() + n * s.C;
+    const float* bb = b_c.data() + n * s.C;
     for (int64_t hw = hb; hw < he; ++hw) {
       const T* xr = x + (n * s.HW + hw) * s.C;
       T* yr = y + (n * s.HW + hw) * s.C;
-      for (int64_t c = 0; c < s.C; ++c) {
-        float v = (ToFloat(xr[c]) - mu[c]) * rs[c];
-        if (wn) v *= wn[c];
-        if (bn) v += bn[c];
-        yr[c] = FromFloat<T>(v);
-      }
+      ForRow(s.C, [&](auto tag, int64_t c) {
+        St(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c));
+      });
     }
   });
 }
@@ -181,34 +226,34 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* dy, cons
       const int64_t n = bi / s.G, g = bi % s.G;
       const float mu = mean[bi], rs = rstd[bi];
       const float* gn = s.ParamRow(gamma, n);
-      float sum_g = 0.f, sum_gx = 0.f;
+      float sum_g = 0.f, sum_gdx = 0.f;
       for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
         const T* dyc = dy + (n * s.C + c) * s.HW;
         const T* xc = x + (n * s.C + c) * s.HW;
-        Lanes sd, sdx;
-        RowLoop(s.HW, [&](int k, int64_t j) {
-          float d = ToFloat(dyc[j]);
-          sd.v[k] += d;
-          sdx.v[k] += d * (ToFloat(xc[j]) - mu);
+        Acc sd, sdx;
+        ForRow(s.HW, [&](auto tag, int64_t j) {
+          auto d = Ld(tag, dyc + j);
+          sd.Add(d);
+          sdx.Add(d * (Ld(tag, xc + j) - mu));
         });
         const float dbc = sd.Sum(), dsc = sdx.Sum();
         db[n * s.C + c] = dbc;
         ds[n * s.C + c] = dsc;
         const float gm = gn ? gn[c] : 1.f;
         sum_g += gm * dbc;
-        sum_gx += gm * dsc;
+        sum_gdx += gm * dsc;
       }
       if (!dx) continue;
-      const float c1 = sum_g * inv_d, c2 = sum_gx * rs * inv_d;
+      const float b = rs * sum_g * inv_d;
+      const float k = rs * rs * (sum_gdx * rs * inv_d);
       for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
         const T* dyc = dy + (n * s.C + c) * s.HW;
         const T* xc = x + (n * s.C + c) * s.HW;
         T* dxc = dx + (n * s.C + c) * s.HW;
-        const float gm = gn ? gn[c] : 1.f;
-        for (int64_t j = 0; j < s.HW; ++j) {
-          float xh = (ToFloat(xc[j]) - mu) * rs;
-          dxc[j] = FromFloat<T>(rs * (ToFloat(dyc[j]) * gm - c1 - xh * c2));
-        }
+        const float a = rs * (gn ? gn[c] : 1.f);
+        ForRow(s.HW, [&](auto tag, int64_t j) {
+          St(tag, dxc + j, a * Ld(tag, dyc + j) - b - k * (Ld(tag, xc + j) - mu));
+        });
       }
     }
   });
@@ -219,61 +264,39 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* dy, cons
                       const float* mean, const float* rstd, const float* gamma, T* dx,
                       float* db, float* ds) {
   std::vector<float> mu_c = ExpandGroups(s, mean);
-  // Interleaved [db, ds] column sums in one pass over x and dy.
-  GnShape s2 = s;
-  s2.C = 2 * s.C;
+  // [db | ds] column sums of one sample side by side, in one pass over x, dy.
   std::vector<float> both(static_cast<size_t>(s.N * 2 * s.C));
-  ColumnSums(pool, s2, [&](int64_t n, int64_t hw, float* acc) {
+  ColumnSums(pool, s, 2 * s.C, [&](int64_t n, int64_t hw, float* acc) {
     const T* dyr = dy + (n * s.HW + hw) * s.C;
     const T* xr = x + (n * s.HW + hw) * s.C;
     const float* mu = mu_c.data() + n * s.C;
     float* adb = acc;
     float* ads = acc + s.C;
-    for (int64_t c = 0; c < s.C; ++c) {
-      float d = ToFloat(dyr[c]);
-      adb[c] += d;
-      ads[c] += d * (ToFloat(xr[c]) - mu[c]);
-    }
+    ForRow(s.C, [&](auto tag, int64_t c) {
+      auto d = Ld(tag, dyr + c);
+      St(tag, adb + c, Ld(tag, adb + c) + d);
+      St(tag, ads + c, Ld(tag, ads + c) + d * (Ld(tag, xr + c) - Ld(tag, mu + c)));
+    });
   }, both.data());
   for (int64_t n = 0; n < s.N; ++n) {
     std::copy(both.data() + 2 * n * s.C, both.data() + (2 * n + 1) * s.C, db + n * s.C);
     std::copy(both.data() + (2 * n + 1) * s.C, both.data() + (2 * n + 2) * s.C, ds + n * s.C);
   }
   if (!dx) return;
-  // Per-(n, c) coefficients: dx = rs * (dy * gamma - c1 - xhat * c2).
-  const float inv_d = 1.0f / static_cast<float>(s.D());
-  std::vector<float> rs_c = ExpandGroups(s, rstd);
-  std::vector<float> c1_c(static_cast<size_t>(s.N * s.C)), c2_c(static_cast<size_t>(s.N * s.C));
-  for (int64_t n = 0; n < s.N; ++n)
-    for (int64_t g = 0; g < s.G; ++g) {
-      const float* gn = s.ParamRow(gamma, n);
-      float sum_g = 0.f, sum_gx = 0.f;
-      for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
-        const float gm = gn ? gn[c] : 1.f;
-        sum_g += gm * db[n * s.C + c];
-        sum_gx += gm * ds[n * s.C + c];
-      }
-      const float rs = rstd[n * s.G + g];
-      for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
-        c1_c[n * s.C + c] = sum_g * inv_d;
-        c2_c[n * s.C + c] = sum_gx * rs * inv_d;
-      }
-    }
+  BwdCoefficients co(s, rstd, gamma, db, ds);
   ForEachHwChunk(pool, s, ChunksPerSample(s), [&](int64_t n, int64_t hb, int64_t he, int64_t) {
     const float* mu = mu_c.data() + n * s.C;
-    const float* rs = rs_c.data() + n * s.C;
-    const float* c1 = c1_c.data() + n * s.C;
-    const float* c2 = c2_c.data() + n * s.C;
-    const float* gn = s.ParamRow(gamma, n);
+    const float* a = co.a.data() + n * s.C;
+    const float* b = co.b.data() + n * s.C;
+    const float* k = co.k.data() + n * s.C;
     for (int64_t hw = hb; hw < he; ++hw) {
       const T* dyr = dy + (n * s.HW + hw) * s.C;
       const T* xr = x + (n * s.HW + hw) * s.C;
       T* dxr = dx + (n * s.HW + hw) * s.C;
-      for (int64_t c = 0; c < s.C; ++c) {
-        const float gm = gn ? gn[c] : 1.f;
-        float xh = (ToFloat(xr[c]) - mu[c]) * rs[c];
-        dxr[c] = FromFloat<T>(rs[c] * (ToFloat(dyr[c]) * gm - c1[c] - xh * c2[c]));
-      }
+      ForRow(s.C, [&](auto tag, int64_t c) {
+        St(tag, dxr + c, Ld(tag, a + c) * Ld(tag, dyr + c) - Ld(tag, b + c) -
+                             Ld(tag, k + c) * (Ld(tag, xr + c) - Ld(tag, mu + c)));
+      });
     }
   });
 }
@@ -344,10 +367,10 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   if (dx->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("grad_input: dtype must match x");
   const int64_t size = s.N * s.C * s.HW;
+  const int64_t psize = s.W * s.C;
   JNG_RETURN_IF_ERROR(CheckSize("grad_out", dy.element_count(), size));
   JNG_RETURN_IF_ERROR(CheckSize("mean", mean.element_count(), s.N * s.G));
   JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd.element_count(), s.N * s.G));
-  const int64_t psize = s.W * s.C;
   JNG_RETURN_IF_ERROR(CheckSize("gamma", gamma.element_count(), has_gamma ? psize : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_input", dx->element_count(), compute_dx ? size : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_gamma", dgamma->element_count(), compute_dgamma ? psize : 0));
@@ -385,9 +408,10 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   });
 }
 
+}  // namespace JNG_ISA
 }  // namespace jax_normgrad
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JngGroupNormFwd, jax_normgrad::GroupNormFwdImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormFwd), jax_normgrad::JNG_ISA::GroupNormFwdImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()               // x
@@ -403,7 +427,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JngGroupNormFwd, jax_normgrad::GroupNormFwdImpl,
                                   .Attr<bool>("has_weight")
                                   .Attr<bool>("has_bias"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JngGroupNormBwd, jax_normgrad::GroupNormBwdImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormBwd), jax_normgrad::JNG_ISA::GroupNormBwdImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()               // dy

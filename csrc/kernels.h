@@ -1,13 +1,20 @@
-// The XLA FFI handlers of jax_normgrad: one symbol per op, defined next to its
-// kernel (layer_norm.cc, group_norm.cc) and exported by module.cc.
+// The XLA FFI handlers of jax_normgrad: one symbol per op and instruction set,
+// defined next to its kernel (layer_norm.cc, group_norm.cc), which CMake
+// compiles once per ISA; module.cc exports the best set the CPU supports.
 #ifndef JAX_NORMGRAD_CSRC_KERNELS_H_
 #define JAX_NORMGRAD_CSRC_KERNELS_H_
 
 #include "common.h"
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JngLayerNormFwd);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JngLayerNormBwd);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JngGroupNormFwd);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JngGroupNormBwd);
+#define JNG_DECLARE_HANDLERS(isa)                              \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(JngLayerNormFwd_##isa);       \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(JngLayerNormBwd_##isa);       \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(JngGroupNormFwd_##isa);       \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(JngGroupNormBwd_##isa)
+
+JNG_DECLARE_HANDLERS(generic);
+#ifdef JNG_HAVE_AVX2
+JNG_DECLARE_HANDLERS(avx2);
+#endif
 
 #endif  // JAX_NORMGRAD_CSRC_KERNELS_H_

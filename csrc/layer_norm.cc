@@ -12,6 +12,7 @@
 #include <vector>
 
 namespace jax_normgrad {
+namespace JNG_ISA {
 namespace {
 
 // Partial dweight/dbias accumulators per task are T*H floats each; keep them
@@ -204,11 +205,12 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   });
 }
 
+}  // namespace JNG_ISA
 }  // namespace jax_normgrad
 
 // Handler symbols: the attributes are bound by name; keep in step with
 // jax_normgrad/_ffi.py.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JngLayerNormFwd, jax_normgrad::LayerNormFwdImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormFwd), jax_normgrad::JNG_ISA::LayerNormFwdImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()               // x (M, H)
@@ -223,7 +225,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JngLayerNormFwd, jax_normgrad::LayerNormFwdImpl,
                                   .Attr<bool>("has_bias")
                                   .Attr<bool>("centered"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JngLayerNormBwd, jax_normgrad::LayerNormBwdImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_ISA::LayerNormBwdImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()               // dy (M, H)
