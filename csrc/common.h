@@ -183,35 +183,6 @@ constexpr int64_t kMaxTasks = 32;
 // Work below this many elements per task is not worth a thread hop.
 constexpr int64_t kMinElementsPerTask = 1 << 15;
 
-// ---------------------------------------------------------------------------
-// Blocked accumulation: kLanes independent float32 partial sums, combined in
-// a fixed tree at the end. The compiler vectorizes the lanes (no -ffast-math
-// reassociation needed) and the result is the same on every run.
-constexpr int kLanes = 16;
-
-struct Lanes {
-  float v[kLanes];
-  Lanes() {
-    for (int k = 0; k < kLanes; ++k) v[k] = 0.f;
-  }
-  float Sum() const {
-    float t[kLanes];
-    for (int k = 0; k < kLanes; ++k) t[k] = v[k];
-    for (int w = kLanes / 2; w > 0; w /= 2)
-      for (int k = 0; k < w; ++k) t[k] += t[k + w];
-    return t[0];
-  }
-};
-
-// Calls f(lane, j) for j in [0, n), lane = j % kLanes, in a fixed order.
-template <typename F>
-inline void RowLoop(int64_t n, const F& f) {
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) f(k, j + k);
-  for (int k = 0; j < n; ++j, ++k) f(k, j);
-}
-
 // out[h] = sum over t of partials[t * n + h], t ascending (fixed order).
 inline void SumPartials(ffi::ThreadPool* pool, const float* partials, float* out,
                         int64_t num_partials, int64_t n) {

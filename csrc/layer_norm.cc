@@ -6,10 +6,11 @@
 // rows sum into dweight[k] and dbias[k].
 // Statistics, weight and bias arrive as float32 (the Python side converts the
 // small vectors), so the kernels are templated on the storage type of x alone.
-#include "kernels.h"
-
 #include <cmath>
 #include <vector>
+
+#include "kernels.h"
+#include "simd.h"
 
 namespace jax_normgrad {
 namespace JNG_ISA {
@@ -28,35 +29,36 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y,
     const T* xr = x + i * H;
     float mu = 0.f;
     if (centered) {
-      Lanes s;
-      RowLoop(H, [&](int k, int64_t j) { s.v[k] += ToFloat(xr[j]); });
+      Acc s;
+      ForRow(H, [&](auto tag, int64_t j) { s.Add(Ld(tag, xr + j)); });
       mu = s.Sum() * inv_h;
     }
     // Two-pass variance: the row is in cache, and it avoids the cancellation
     // of E[x^2] - E[x]^2.
-    Lanes q;
-    RowLoop(H, [&](int k, int64_t j) {
-      float d = ToFloat(xr[j]) - mu;
-      q.v[k] += d * d;
+    Acc q;
+    ForRow(H, [&](auto tag, int64_t j) {
+      auto d = Ld(tag, xr + j) - mu;
+      q.Add(d * d);
     });
-    float rs = 1.0f / std::sqrt(q.Sum() * inv_h + eps);
+    const float rs = 1.0f / std::sqrt(q.Sum() * inv_h + eps);
     if (mean_out) mean_out[i] = mu;
     rstd_out[i] = rs;
     T* yr = y + i * H;
-    for (int64_t j = 0; j < H; ++j) {
-      float v = (ToFloat(xr[j]) - mu) * rs;
-      if (w) v *= w[j];
-      if (b) v += b[j];
-      yr[j] = FromFloat<T>(v);
-    }
+    // w and b are never null here (ones / zeros stand in for absent ones).
+    ForRow(H, [&](auto tag, int64_t j) {
+      St(tag, yr + j, (Ld(tag, xr + j) - mu) * rs * Ld(tag, w + j) + Ld(tag, b + j));
+    });
   }
 }
 
 // dx for rows [row_begin, row_end) and this block's dweight/dbias partials:
 //   xhat = (x - mean) * rstd,  g = dy * w
 //   dx   = rstd * (g - mean(g) - xhat * mean(g * xhat))
-// (mean(g) is dropped when !centered: RMSNorm.)
-template <typename T>
+// (mean(g) is dropped when !centered: RMSNorm). The first pass over the row
+// computes the two means; the second, fused, pass finds the row in cache and
+// writes dx and accumulates dweight += dy * xhat, dbias += dy. Templated on
+// which outputs are computed, so a masked output costs nothing.
+template <typename T, bool kDx, bool kDw, bool kDb>
 void LayerNormBwdRows(const T* dy, const T* x, const float* mean, const float* rstd,
                       const float* w, T* dx, float* dw, float* db, int64_t row_begin,
                       int64_t row_end, int64_t H, bool centered) {
@@ -66,34 +68,49 @@ void LayerNormBwdRows(const T* dy, const T* x, const float* mean, const float* r
     const T* xr = x + i * H;
     const float mu = centered ? mean[i] : 0.f;
     const float rs = rstd[i];
-    if (dx) {
-      Lanes s_g, s_gx;
-      RowLoop(H, [&](int k, int64_t j) {
-        float xh = (ToFloat(xr[j]) - mu) * rs;
-        float g = ToFloat(dyr[j]);
-        if (w) g *= w[j];
-        s_g.v[k] += g;
-        s_gx.v[k] += g * xh;
+    float b = 0.f, k = 0.f;  // dx = rs * g - b - k * xhat
+    if (kDx) {
+      Acc s_g, s_gx;
+      ForRow(H, [&](auto tag, int64_t j) {
+        auto g = Ld(tag, dyr + j) * Ld(tag, w + j);
+        s_g.Add(g);
+        s_gx.Add(g * ((Ld(tag, xr + j) - mu) * rs));
       });
-      const float c1 = centered ? s_g.Sum() * inv_h : 0.f;
-      const float c2 = s_gx.Sum() * inv_h;
-      T* dxr = dx + i * H;
-      for (int64_t j = 0; j < H; ++j) {
-        float xh = (ToFloat(xr[j]) - mu) * rs;
-        float d = ToFloat(dyr[j]);
-        float g = w ? d * w[j] : d;
-        dxr[j] = FromFloat<T>(rs * (g - c1 - xh * c2));
-      }
+      b = centered ? rs * s_g.Sum() * inv_h : 0.f;
+      k = rs * s_gx.Sum() * inv_h;
     }
-    if (dw) {
-      for (int64_t j = 0; j < H; ++j) {
-        dw[j] += ToFloat(dyr[j]) * ((ToFloat(xr[j]) - mu) * rs);
-      }
-    }
-    if (db) {
-      for (int64_t j = 0; j < H; ++j) db[j] += ToFloat(dyr[j]);
-    }
+    T* dxr = kDx ? dx + i * H : nullptr;
+    ForRow(H, [&](auto tag, int64_t j) {
+      auto d = Ld(tag, dyr + j);
+      auto xh = (Ld(tag, xr + j) - mu) * rs;
+      if (kDx) St(tag, dxr + j, rs * (d * Ld(tag, w + j)) - b - k * xh);
+      if (kDw) St(tag, dw + j, Ld(tag, dw + j) + d * xh);
+      if (kDb) St(tag, db + j, Ld(tag, db + j) + d);
+    });
   }
+}
+
+// LayerNormBwdRows with the output mask as template arguments.
+template <typename T>
+void LayerNormBwdRowsMasked(bool do_dx, bool do_dw, bool do_db, const T* dy, const T* x,
+                            const float* mean, const float* rstd, const float* w, T* dx,
+                            float* dw, float* db, int64_t row_begin, int64_t row_end,
+                            int64_t H, bool centered) {
+  using Fn = void (*)(const T*, const T*, const float*, const float*, const float*, T*, float*,
+                      float*, int64_t, int64_t, int64_t, bool);
+  static constexpr Fn kTable[8] = {
+      LayerNormBwdRows<T, false, false, false>, LayerNormBwdRows<T, false, false, true>,
+      LayerNormBwdRows<T, false, true, false>,  LayerNormBwdRows<T, false, true, true>,
+      LayerNormBwdRows<T, true, false, false>,  LayerNormBwdRows<T, true, false, true>,
+      LayerNormBwdRows<T, true, true, false>,   LayerNormBwdRows<T, true, true, true>};
+  kTable[(do_dx ? 4 : 0) + (do_dw ? 2 : 0) + (do_db ? 1 : 0)](
+      dy, x, mean, rstd, w, dx, dw, db, row_begin, row_end, H, centered);
+}
+
+// Parameters as float32 rows for every group, ones / zeros where absent, so
+// the row loops need no branch on presence.
+std::vector<float> ParamsOrConstant(const float* p, int64_t size, float constant) {
+  return p ? std::vector<float>(p, p + size) : std::vector<float>(static_cast<size_t>(size), constant);
 }
 
 }  // namespace
@@ -119,8 +136,8 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd->element_count(), M));
   if (M == 0) return ffi::Error::Success();
   if (H == 0) return ffi::Error::InvalidArgument("x: normalized size must be positive");
-  const float* w = has_weight ? weight.typed_data() : nullptr;
-  const float* b = has_bias ? bias.typed_data() : nullptr;
+  const std::vector<float> w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f);
+  const std::vector<float> b = ParamsOrConstant(has_bias ? bias.typed_data() : nullptr, W * H, 0.f);
   float* mean_p = centered ? mean->typed_data() : nullptr;
   float* rstd_p = rstd->typed_data();
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
@@ -130,8 +147,8 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
     ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
       const int64_t grp = split.group(t);
-      LayerNormFwdRows(xp, w ? w + grp * H : nullptr, b ? b + grp * H : nullptr, yp, mean_p,
-                       rstd_p, split.begin(t), split.end(t), H, eps, centered);
+      LayerNormFwdRows(xp, w.data() + grp * H, b.data() + grp * H, yp, mean_p, rstd_p,
+                       split.begin(t), split.end(t), H, eps, centered);
     });
     return ffi::Error::Success();
   });
@@ -179,7 +196,7 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     if (dw_out) dw_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
     if (db_out) db_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
   }
-  const float* w = has_weight ? weight.typed_data() : nullptr;
+  const std::vector<float> w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f);
   const float* mean_p = centered ? mean.typed_data() : nullptr;
   const float* rstd_p = rstd.typed_data();
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
@@ -191,8 +208,9 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       const int64_t grp = split.group(t);
       float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
       float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
-      LayerNormBwdRows(dyp, xp, mean_p, rstd_p, w ? w + grp * H : nullptr, dxp, dw, db,
-                       split.begin(t), split.end(t), H, centered);
+      LayerNormBwdRowsMasked(compute_dx, dw != nullptr, db != nullptr, dyp, xp, mean_p, rstd_p,
+                             w.data() + grp * H, dxp, dw, db, split.begin(t), split.end(t), H,
+                             centered);
     });
     if (use_partials) {
       for (int64_t grp = 0; grp < W; ++grp) {

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_normgrad as jn
-from jax_normgrad import _bench, _implementation
+from jax_normgrad import _bench, _ffi, _implementation
 
 
 def _report_platform() -> dict:
@@ -19,7 +19,7 @@ def _report_platform() -> dict:
   impls = {name: _implementation.default_for(name, platform)
            for name in _implementation.primitive_names()}
   return {"platform": platform, "devices": [str(d) for d in jax.devices()],
-          "implementations": impls, "versions": _bench.versions()}
+          "implementations": impls, "cpu_kernel_isa": _ffi.isa(), "versions": _bench.versions()}
 
 
 def _max_rel_err(a, b) -> float:
@@ -114,6 +114,7 @@ def main(argv=None) -> int:
   info = _report_platform()
   say(f"jax_normgrad {jn.__version__} on {info['platform']} ({', '.join(info['devices'])}); "
       f"jax {info['versions']['jax']}")
+  say(f"CPU kernels built for: {info['cpu_kernel_isa']}")
   say("Implementation in use (implementation=None):")
   for name, impl in info["implementations"].items():
     say(f"  {name:32s} {impl}")

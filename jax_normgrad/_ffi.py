@@ -32,6 +32,15 @@ def available() -> bool:
   return _ext is not None
 
 
+def isa() -> str | None:
+  """The instruction set of the registered CPU kernels ("avx2" or "generic").
+
+  ``JAX_NORMGRAD_ISA=generic`` in the environment before import forces the
+  baseline build (for tests and comparisons).
+  """
+  return _ext.isa() if _ext is not None else None
+
+
 def call(target: str, out_types: Sequence[jax.ShapeDtypeStruct], *operands, **attrs):
   """Calls an FFI target; attribute types are made exact here.
 

@@ -121,3 +121,20 @@ BAD_FFI_CALLS = [
 def test_ffi_handlers_return_errors(target, out_types, operands, attrs, match):
   with pytest.raises(Exception, match=match):
     jax.block_until_ready(_raw(target, out_types, *operands, **attrs))
+
+
+def test_generic_isa_build_is_correct_too():
+  """The baseline-ISA copy of the kernels (used on CPUs without AVX2) passes the op suites."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, JAX_NORMGRAD_ISA="generic")
+  here = os.path.dirname(__file__)
+  code = ("import jax_normgrad._ffi as f; assert f.isa() == 'generic', f.isa()")
+  subprocess.run([sys.executable, "-c", code], env=env, check=True)
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+       os.path.join(here, "test_layer_norm.py"), os.path.join(here, "test_group_norm.py"),
+       "-k", "Default and (backward or forward) and not long_row"],
+      env=env, capture_output=True, text=True)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
