@@ -5,8 +5,15 @@ C++ XLA FFI custom call on CPU); ``implementation="xla"`` selects the
 pure-JAX reference. See README.md for the API table.
 """
 
-from jax_normgrad import _ffi  # noqa: F401  (registers the CPU FFI targets)
-from jax_normgrad._implementation import FallbackWarning
+import pkgutil
+
+# Run from a source checkout after `pip install .`, this directory shadows the
+# installed package, which alone holds the compiled extension: let submodule
+# imports also look in the installed copy (the same sources plus the .so).
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+from jax_normgrad import _ffi  # noqa: E402,F401  (registers the CPU FFI targets)
+from jax_normgrad._implementation import FallbackWarning  # noqa: E402
 from jax_normgrad._validation import IMPLEMENTATIONS, SUPPORTED_DTYPES
 from jax_normgrad.ops.group_norm import group_norm, group_norm_backward, group_norm_fwd
 from jax_normgrad.ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_fwd
