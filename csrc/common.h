@@ -12,6 +12,10 @@
 #include <mutex>
 #include <string>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 // Every kernel source is compiled once per instruction set (CMakeLists.txt);
@@ -196,6 +200,26 @@ inline void SumPartials(ffi::ThreadPool* pool, const float* partials, float* out
       for (int64_t h = begin; h < end; ++h) out[h] += src[h];
     }
   });
+}
+
+// Asks the kernel to back a large output buffer with transparent huge pages
+// before the kernel first writes it. XLA allocates a fresh buffer for every
+// output; above glibc's 32 MiB mmap limit that memory is new pages each call,
+// and first-touch faults (4 KiB at a time) can cost more than the kernel
+// itself on virtual machines. MADV_HUGEPAGE only changes the paging policy
+// of memory this call owns; it is advisory (errors are ignored) and a no-op
+// where THP is off. Buffers under 4 MiB are left alone.
+inline void AdviseHugePages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (data == nullptr || bytes < (int64_t{4} << 20)) return;
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  uintptr_t end = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
 }
 
 // Returns an error when `buffer` does not hold `expected` elements.

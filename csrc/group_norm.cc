@@ -345,6 +345,7 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     using T = decltype(tag);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     T* yp = reinterpret_cast<T*>(y->untyped_data());
+    AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(T)));
     if (channels_last)
       GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data());
     else
@@ -390,6 +391,7 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     const T* dyp = reinterpret_cast<const T*>(dy.untyped_data());
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
+    AdviseHugePages(dxp, compute_dx ? size * static_cast<int64_t>(sizeof(T)) : 0);
     if (channels_last)
       GroupNormBwdNHWC(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data());
     else

@@ -144,6 +144,7 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     using T = decltype(tag);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     T* yp = reinterpret_cast<T*>(y->untyped_data());
+    AdviseHugePages(yp, M * H * static_cast<int64_t>(sizeof(T)));
     RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
     ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
       const int64_t grp = split.group(t);
@@ -204,6 +205,7 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     const T* dyp = reinterpret_cast<const T*>(dy.untyped_data());
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
+    AdviseHugePages(dxp, compute_dx ? M * H * static_cast<int64_t>(sizeof(T)) : 0);
     ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
       const int64_t grp = split.group(t);
       float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
