@@ -6,6 +6,9 @@
 // rows sum into dweight[k] and dbias[k].
 // Statistics, weight and bias arrive as float32 (the Python side converts the
 // small vectors), so the kernels are templated on the storage type of x alone.
+// Both handlers can also write xhat (write_xhat), and the backward can start
+// from xhat instead of x (normalized): the AscendC / InfiniOp forms of the
+// backward run on these same kernels.
 #include "kernels.h"
 
 #include <cmath>
@@ -18,8 +21,10 @@ namespace {
 // within this many floats so long rows do not cost huge scratch buffers.
 constexpr int64_t kMaxPartialFloats = int64_t{1} << 23;
 
+// `xhat_out` (optional) receives xhat = (x - mean) * rstd in T, for a backward
+// from the normalized input (layer_norm(save="normalized")).
 template <typename T>
-void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y,
+void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y, T* xhat_out,
                       float* mean_out, float* rstd_out, int64_t row_begin,
                       int64_t row_end, int64_t H, float eps, bool centered) {
   const float inv_h = 1.0f / static_cast<float>(H);
@@ -42,8 +47,10 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y,
     if (mean_out) mean_out[i] = mu;
     rstd_out[i] = rs;
     T* yr = y + i * H;
+    T* xo = xhat_out ? xhat_out + i * H : nullptr;
     for (int64_t j = 0; j < H; ++j) {
       float v = (ToFloat(xr[j]) - mu) * rs;
+      if (xo) xo[j] = FromFloat<T>(v);
       if (w) v *= w[j];
       if (b) v += b[j];
       yr[j] = FromFloat<T>(v);
@@ -55,20 +62,28 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y,
 //   xhat = (x - mean) * rstd,  g = dy * w
 //   dx   = rstd * (g - mean(g) - xhat * mean(g * xhat))
 // (mean(g) is dropped when !centered: RMSNorm.)
+// normalized: x already holds xhat (the forward saved it instead of x), there
+// is no mean, and rstd (null when dx is not computed) only scales dx.
+// xhat_out (optional) receives xhat in T (AscendC's res_for_gamma).
 template <typename T>
 void LayerNormBwdRows(const T* dy, const T* x, const float* mean, const float* rstd,
-                      const float* w, T* dx, float* dw, float* db, int64_t row_begin,
-                      int64_t row_end, int64_t H, bool centered) {
+                      const float* w, T* dx, T* xhat_out, float* dw, float* db,
+                      int64_t row_begin, int64_t row_end, int64_t H, bool centered,
+                      bool normalized) {
   const float inv_h = 1.0f / static_cast<float>(H);
   for (int64_t i = row_begin; i < row_end; ++i) {
     const T* dyr = dy + i * H;
     const T* xr = x + i * H;
-    const float mu = centered ? mean[i] : 0.f;
-    const float rs = rstd[i];
+    const float mu = (centered && !normalized) ? mean[i] : 0.f;
+    const float rs = rstd ? rstd[i] : 1.f;
+    // xhat = (x - mu) * xs; with mu = 0 and xs = 1 it is x itself, exactly, so
+    // the normalized mode needs no branch in the loops.
+    const float xs = normalized ? 1.f : rs;
+    T* xo = xhat_out ? xhat_out + i * H : nullptr;
     if (dx) {
       Lanes s_g, s_gx;
       RowLoop(H, [&](int k, int64_t j) {
-        float xh = (ToFloat(xr[j]) - mu) * rs;
+        float xh = (ToFloat(xr[j]) - mu) * xs;
         float g = ToFloat(dyr[j]);
         if (w) g *= w[j];
         s_g.v[k] += g;
@@ -78,15 +93,18 @@ void LayerNormBwdRows(const T* dy, const T* x, const float* mean, const float* r
       const float c2 = s_gx.Sum() * inv_h;
       T* dxr = dx + i * H;
       for (int64_t j = 0; j < H; ++j) {
-        float xh = (ToFloat(xr[j]) - mu) * rs;
+        float xh = (ToFloat(xr[j]) - mu) * xs;
         float d = ToFloat(dyr[j]);
         float g = w ? d * w[j] : d;
         dxr[j] = FromFloat<T>(rs * (g - c1 - xh * c2));
+        if (xo) xo[j] = FromFloat<T>(xh);
       }
+    } else if (xo) {
+      for (int64_t j = 0; j < H; ++j) xo[j] = FromFloat<T>((ToFloat(xr[j]) - mu) * xs);
     }
     if (dw) {
       for (int64_t j = 0; j < H; ++j) {
-        dw[j] += ToFloat(dyr[j]) * ((ToFloat(xr[j]) - mu) * rs);
+        dw[j] += ToFloat(dyr[j]) * ((ToFloat(xr[j]) - mu) * xs);
       }
     }
     if (db) {
@@ -101,9 +119,10 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> bias,
                             ffi::Result<ffi::AnyBuffer> y,
                             ffi::ResultBuffer<ffi::F32> mean,
-                            ffi::ResultBuffer<ffi::F32> rstd, float eps,
+                            ffi::ResultBuffer<ffi::F32> rstd,
+                            ffi::Result<ffi::AnyBuffer> xhat, float eps,
                             int64_t param_groups, bool has_weight, bool has_bias,
-                            bool centered) {
+                            bool centered, bool write_xhat) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x: expected rank 2 (rows, H)");
   const int64_t M = dims[0], H = dims[1], W = param_groups;
@@ -116,6 +135,9 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   JNG_RETURN_IF_ERROR(CheckSize("bias", bias.element_count(), has_bias ? W * H : 0));
   JNG_RETURN_IF_ERROR(CheckSize("mean", mean->element_count(), centered ? M : 0));
   JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd->element_count(), M));
+  if (xhat->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("xhat: dtype must match x");
+  JNG_RETURN_IF_ERROR(CheckSize("xhat", xhat->element_count(), write_xhat ? M * H : 0));
   if (M == 0) return ffi::Error::Success();
   if (H == 0) return ffi::Error::InvalidArgument("x: normalized size must be positive");
   const float* w = has_weight ? weight.typed_data() : nullptr;
@@ -126,10 +148,11 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     using T = decltype(tag);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     T* yp = reinterpret_cast<T*>(y->untyped_data());
+    T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
     RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
     ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
       const int64_t grp = split.group(t);
-      LayerNormFwdRows(xp, w ? w + grp * H : nullptr, b ? b + grp * H : nullptr, yp, mean_p,
+      LayerNormFwdRows(xp, w ? w + grp * H : nullptr, b ? b + grp * H : nullptr, yp, xhp, mean_p,
                        rstd_p, split.begin(t), split.end(t), H, eps, centered);
     });
     return ffi::Error::Success();
@@ -140,9 +163,11 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
                             ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
                             ffi::Buffer<ffi::F32> weight, ffi::Result<ffi::AnyBuffer> dx,
                             ffi::ResultBuffer<ffi::F32> dweight,
-                            ffi::ResultBuffer<ffi::F32> dbias, int64_t param_groups,
+                            ffi::ResultBuffer<ffi::F32> dbias,
+                            ffi::Result<ffi::AnyBuffer> xhat, int64_t param_groups,
                             bool has_weight, bool compute_dx, bool compute_dweight,
-                            bool compute_dbias, bool centered) {
+                            bool compute_dbias, bool centered, bool normalized,
+                            bool write_xhat) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x: expected rank 2 (rows, H)");
   const int64_t M = dims[0], H = dims[1], W = param_groups;
@@ -153,9 +178,14 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   if (dx->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("grad_input: dtype must match x");
   JNG_RETURN_IF_ERROR(CheckSize("grad_out", dy.element_count(), M * H));
-  JNG_RETURN_IF_ERROR(CheckSize("mean", mean.element_count(), centered ? M : 0));
-  JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd.element_count(), M));
+  if (xhat->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("xhat: dtype must match x");
+  // With x = xhat (normalized) there is no mean, and rstd only serves dx.
+  const bool needs_rstd = compute_dx || !normalized;
+  JNG_RETURN_IF_ERROR(CheckSize("mean", mean.element_count(), centered && !normalized ? M : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd.element_count(), needs_rstd ? M : 0));
   JNG_RETURN_IF_ERROR(CheckSize("weight", weight.element_count(), has_weight ? W * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("xhat", xhat->element_count(), write_xhat ? M * H : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_input", dx->element_count(), compute_dx ? M * H : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_weight", dweight->element_count(), compute_dweight ? W * H : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_bias", dbias->element_count(), compute_dbias ? W * H : 0));
@@ -179,19 +209,20 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     if (db_out) db_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
   }
   const float* w = has_weight ? weight.typed_data() : nullptr;
-  const float* mean_p = centered ? mean.typed_data() : nullptr;
-  const float* rstd_p = rstd.typed_data();
+  const float* mean_p = centered && !normalized ? mean.typed_data() : nullptr;
+  const float* rstd_p = needs_rstd ? rstd.typed_data() : nullptr;
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* dyp = reinterpret_cast<const T*>(dy.untyped_data());
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
+    T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
     ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
       const int64_t grp = split.group(t);
       float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
       float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
-      LayerNormBwdRows(dyp, xp, mean_p, rstd_p, w ? w + grp * H : nullptr, dxp, dw, db,
-                       split.begin(t), split.end(t), H, centered);
+      LayerNormBwdRows(dyp, xp, mean_p, rstd_p, w ? w + grp * H : nullptr, dxp, xhp, dw, db,
+                       split.begin(t), split.end(t), H, centered, normalized);
     });
     if (use_partials) {
       for (int64_t grp = 0; grp < W; ++grp) {
@@ -217,11 +248,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JngLayerNormFwd, jax_normgrad::LayerNormFwdImpl,
                                   .Ret<xla::ffi::AnyBuffer>()               // y (M, H)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (M) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (M)
+                                  .Ret<xla::ffi::AnyBuffer>()               // xhat (M, H) or (0)
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("param_groups")
                                   .Attr<bool>("has_weight")
                                   .Attr<bool>("has_bias")
-                                  .Attr<bool>("centered"));
+                                  .Attr<bool>("centered")
+                                  .Attr<bool>("write_xhat"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JngLayerNormBwd, jax_normgrad::LayerNormBwdImpl,
                               xla::ffi::Ffi::Bind()
@@ -234,9 +267,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JngLayerNormBwd, jax_normgrad::LayerNormBwdImpl,
                                   .Ret<xla::ffi::AnyBuffer>()               // dx (M, H) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dweight (W, H) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dbias (W, H) or (0)
+                                  .Ret<xla::ffi::AnyBuffer>()               // xhat (M, H) or (0)
                                   .Attr<int64_t>("param_groups")
                                   .Attr<bool>("has_weight")
                                   .Attr<bool>("compute_dx")
                                   .Attr<bool>("compute_dweight")
                                   .Attr<bool>("compute_dbias")
-                                  .Attr<bool>("centered"));
+                                  .Attr<bool>("centered")
+                                  .Attr<bool>("normalized")
+                                  .Attr<bool>("write_xhat"));
