@@ -24,8 +24,7 @@ GRAD_CASES = [
     ((2, 32, 16), False, "same"),
     ((3, 5, 42), True, "float32"),
     ((7, 1000), False, "none"),
-    ((9, 1), True, "same"),
-    ((2, 3, 4, 24), True, "none"),
+    ((9, 1), True, "none"),
     ((0, 64), False, "float32"),
 ]
 
@@ -104,7 +103,7 @@ class LayerNormGradTests:
 
   @pytest.mark.parametrize("dtype", DTYPES)
   @pytest.mark.parametrize("shape,norm_shape", [((2, 32, 16), None), ((4, 6, 10), (6, 10)),
-                                                ((0, 8), 8)])
+                                                ((0, 16), 16)])
   def test_layer_norm_grad_beta(self, rng, dtype, shape, norm_shape):
     dy = random(rng, shape, dtype)
     res = random(rng, shape, dtype)
