@@ -49,7 +49,9 @@ def _assert_pallas(text, platform, kernels=("fwd", "bwd")):
   assert CUSTOM_CALL[platform] in text
   for k in kernels:
     assert f"jax_normgrad_norm_{k}" in text, k
-  assert "custom_call @jax_normgrad_" not in text  # no CPU FFI call
+  # Only the platform's own kernels are lowered, and no CPU FFI call.
+  assert not any(CUSTOM_CALL[p] in text for p in PLATFORMS if p != platform)
+  assert "custom_call @jax_normgrad_" not in text
 
 
 def _sds(shape, dtype):
@@ -129,6 +131,11 @@ def _f32(*arrays):
   return [None if a is None else a.astype(F32) for a in arrays]
 
 
+def _names(mask):
+  """The names of the outputs an output_mask asks for."""
+  return [n for n, on in zip(("dx", "dweight", "dbias"), mask) if on]
+
+
 # Every (backend, tiny tiles, centered) once, with dtype, output mask and the
 # presence of weight rotating alongside.
 LN_RUNS = rotate(list(itertools.product(["gpu", "tpu"], [False, True], [True, False])),
@@ -168,10 +175,6 @@ def test_layer_norm_primitives_interpreted(rng, dtype, mask, has_weight, backend
     else:
       assert out.dtype == F32 and out.shape == (w, h)
       assert_close(out, expected, F32, m // w, name)
-
-
-def _names(mask):
-  return [n for n, on in zip(("dx", "dweight", "dbias"), mask) if on]
 
 
 # (N, C, HW, group, channels_last, param_groups, tiny tiles): with tiny tiles,
