@@ -70,7 +70,6 @@ class _Layout:
     self.seg = seg
     self.blocks_per_group = config.cdiv(seg.per_group, sample_tile)
     self.programs, self.steps = config.tpu_split(self.blocks_per_group)
-    self.sample_tile = sample_tile
     self.sizes = {"w": seg.param_groups, "g": seg.groups, "p": self.programs, "s": self.steps}
 
   @property
@@ -79,8 +78,9 @@ class _Layout:
 
   # Helpers of the index maps and kernels.
   def sample_block(self, ids):
-    """The block of samples of step ``s`` of program ``p``, clamped: a program's
-    steps past the end redo the last block (identical writes, partials masked)."""
+    """The block of samples of step ``s`` of program ``p``, clamped: the last
+    program's steps past the end redo its own last block (identical writes, no
+    other core involved; their partial sums are skipped by ``in_range``)."""
     return jnp.minimum(ids["p"] * self.steps + ids["s"], self.blocks_per_group - 1)
 
   def in_range(self, ids):
