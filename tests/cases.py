@@ -35,5 +35,16 @@ GN_CASES = [
 ]
 
 
+def rotate(cases, *choices):
+  """Each case once, with one value of each ``choices`` list cycling alongside.
+
+  A cover of the cases and the choices in ``len(cases)`` tests instead of
+  their product, for the slow interpreted implementations; the values come
+  first: ``rotate([(s, n)], DTYPES)`` gives ``[(float32, s, n)]``.
+  """
+  cycles = [itertools.cycle(c) for c in choices]
+  return [tuple(next(c) for c in cycles) + tuple(case) for case in cases]
+
+
 def random(rng, shape, dtype, scale=1.0, offset=0.0):
   return jnp.asarray(rng.normal(offset, scale, size=shape).astype(np.float32)).astype(dtype)

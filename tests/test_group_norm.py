@@ -5,10 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import jax_normgrad as jn
-from cases import DTYPES, GN_CASES, MASKS, random
+from cases import DTYPES, GN_CASES, MASKS, random, rotate
 import reference_np as ref
 from tolerances import assert_close
 
@@ -23,12 +22,18 @@ def _inputs(rng, shape, c, dtype, param_dtype=None, with_params=True):
 
 
 class GroupNormOpTests:
-  """The GroupNorm op suite; subclasses set ``implementation``."""
+  """The GroupNorm op suite; subclasses set ``implementation`` and may narrow ``cases``."""
 
   implementation = None
+  cases = {
+      "dtype": DTYPES,
+      "shape,n,c,hw,group,channels_last": GN_CASES,
+      "with_gamma": [True, False],
+      "mask": MASKS,
+      "channels_last": [False, True],
+      "half_dtype": [jnp.bfloat16, jnp.float16],
+  }
 
-  @pytest.mark.parametrize("dtype", DTYPES)
-  @pytest.mark.parametrize("shape,n,c,hw,group,channels_last", GN_CASES)
   def test_forward(self, rng, dtype, shape, n, c, hw, group, channels_last):
     x, _, w, b = _inputs(rng, shape, c, dtype)
     y, mean, rstd = jn.group_norm_fwd(x, w, b, n, c, hw, group, 1e-5,
@@ -42,9 +47,6 @@ class GroupNormOpTests:
     assert_close(mean, mean_ref, jnp.float32, block, "mean")
     assert_close(rstd, rstd_ref, jnp.float32, block, "rstd")
 
-  @pytest.mark.parametrize("dtype", DTYPES)
-  @pytest.mark.parametrize("shape,n,c,hw,group,channels_last", GN_CASES)
-  @pytest.mark.parametrize("with_gamma", [True, False])
   def test_backward(self, rng, dtype, shape, n, c, hw, group, channels_last, with_gamma):
     x, dy, w, _ = _inputs(rng, shape, c, dtype, with_params=with_gamma)
     _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group, 1e-5, channels_last)
@@ -60,8 +62,6 @@ class GroupNormOpTests:
     assert_close(dg, dg_ref, dtype, n * hw, "grad_gamma")
     assert_close(db, db_ref, dtype, n * hw, "grad_beta")
 
-  @pytest.mark.parametrize("mask", MASKS)
-  @pytest.mark.parametrize("channels_last", [False, True])
   def test_output_mask(self, rng, mask, channels_last):
     n, c, hw, group = 3, 12, 35, 4
     x, dy, w, _ = _inputs(rng, (n, c * hw), c, jnp.float32)
@@ -76,8 +76,8 @@ class GroupNormOpTests:
       else:
         assert out is None
 
-  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_mixed_precision(self, rng, dtype):
+  def test_mixed_precision(self, rng, half_dtype):
+    dtype = half_dtype
     n, c, hw, group = 4, 16, 20, 4
     x, dy, w, _ = _inputs(rng, (n, c, hw), c, dtype, param_dtype=jnp.float32)
     _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group)
@@ -102,7 +102,6 @@ class GroupNormOpTests:
     for out, e, r in zip(outs, refs, (27000, 6, 6)):
       assert_close(out, e, jnp.float32, r)
 
-  @pytest.mark.parametrize("channels_last", [False, True])
   def test_deterministic(self, rng, channels_last):
     n, c, hw, group = 8, 64, 1024, 8
     x, dy, w, _ = _inputs(rng, (n, c, hw), c, jnp.float32)
@@ -123,3 +122,17 @@ class TestGroupNormDefault(GroupNormOpTests):
 
 class TestGroupNormXla(GroupNormOpTests):
   implementation = "xla"
+
+
+class TestGroupNormPallas(GroupNormOpTests):
+  """The Pallas kernels, interpreted on CPU: every case once, dtype, presence of
+  gamma and, for the output masks, the layout rotating."""
+
+  implementation = "pallas"
+  cases = {
+      "dtype,with_gamma,shape,n,c,hw,group,channels_last": rotate(GN_CASES, DTYPES,
+                                                                    [True, False]),
+      "dtype,shape,n,c,hw,group,channels_last": rotate(GN_CASES, DTYPES),
+      "channels_last,mask": rotate([(m,) for m in MASKS], [False, True]),
+      **GroupNormOpTests.cases,
+  }

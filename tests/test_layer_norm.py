@@ -7,10 +7,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import jax_normgrad as jn
-from cases import DTYPES, LN_CASES, LONG_ROW, MASKS, random
+from cases import DTYPES, LN_CASES, LONG_ROW, MASKS, random, rotate
 import reference_np as ref
 from tolerances import assert_close
 
@@ -25,12 +24,20 @@ def _inputs(rng, shape, norm_shape, dtype, weight_dtype=None, with_bias=True):
 
 
 class LayerNormOpTests:
-  """The LayerNorm op suite; subclasses set ``implementation``."""
+  """The LayerNorm op suite; subclasses set ``implementation`` and may narrow ``cases``."""
 
   implementation = None
+  cases = {
+      "dtype": DTYPES,
+      "shape,norm_shape": LN_CASES,
+      "with_weight": [True, False],
+      "mask": MASKS,
+      "half_dtype": [jnp.bfloat16, jnp.float16],
+  }
+  long_row = LONG_ROW
+  #: Enough rows for many tasks and per-task dweight partials.
+  deterministic_shape = (4099, 257)
 
-  @pytest.mark.parametrize("dtype", DTYPES)
-  @pytest.mark.parametrize("shape,norm_shape", LN_CASES)
   def test_forward(self, rng, dtype, shape, norm_shape):
     x, _, w, b = _inputs(rng, shape, norm_shape, dtype)
     y, mean, rstd = jn.layer_norm_fwd(x, norm_shape, w, b, eps=1e-5,
@@ -43,9 +50,6 @@ class LayerNormOpTests:
     assert_close(mean, mean_ref, jnp.float32, h, "mean")
     assert_close(rstd, rstd_ref, jnp.float32, h, "rstd")
 
-  @pytest.mark.parametrize("dtype", DTYPES)
-  @pytest.mark.parametrize("shape,norm_shape", LN_CASES)
-  @pytest.mark.parametrize("with_weight", [True, False])
   def test_backward(self, rng, dtype, shape, norm_shape, with_weight):
     x, dy, w, b = _inputs(rng, shape, norm_shape, dtype, None if with_weight else False)
     mean, rstd = ref.ln_stats(x, len(norm_shape), 1e-5)
@@ -61,7 +65,6 @@ class LayerNormOpTests:
     assert_close(dw, dw_ref, dtype, rows, "grad_weight")
     assert_close(db, db_ref, dtype, rows, "grad_bias")
 
-  @pytest.mark.parametrize("mask", MASKS)
   def test_output_mask(self, rng, mask):
     shape, norm_shape = (13, 42), (42,)
     x, dy, w, b = _inputs(rng, shape, norm_shape, jnp.float32)
@@ -76,8 +79,8 @@ class LayerNormOpTests:
       else:
         assert out is None
 
-  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_mixed_precision_weight_and_stats_in_x_dtype(self, rng, dtype):
+  def test_mixed_precision_weight_and_stats_in_x_dtype(self, rng, half_dtype):
+    dtype = half_dtype
     shape, norm_shape = (33, 130), (130,)
     x, dy, w, b = _inputs(rng, shape, norm_shape, dtype, weight_dtype=jnp.float32)
     mean, rstd = ref.ln_stats(x, 1, 1e-5)
@@ -111,7 +114,7 @@ class LayerNormOpTests:
       assert_close(out, e, jnp.float32, r)
 
   def test_long_row(self, rng):
-    shape, norm_shape = LONG_ROW
+    shape, norm_shape = self.long_row
     x, dy, w, b = _inputs(rng, shape, norm_shape, jnp.float32)
     y, mean, rstd = jn.layer_norm_fwd(x, norm_shape, w, b, implementation=self.implementation)
     y_ref, mean_ref, rstd_ref = ref.ln_fwd(x, 1, w, b)
@@ -125,11 +128,11 @@ class LayerNormOpTests:
     assert_close(db, refs[2], jnp.float32, 2)
 
   def test_deterministic(self, rng):
-    # Enough rows for many tasks and per-task dweight partials.
-    x, dy, w, b = _inputs(rng, (4099, 257), (257,), jnp.float32)
+    shape = self.deterministic_shape
+    x, dy, w, b = _inputs(rng, shape, shape[1:], jnp.float32)
     mean, rstd = ref.ln_stats(x, 1, 1e-5)
-    args = (dy, x, 257, mean.astype(np.float32), rstd.astype(np.float32), w, b)
-    f = jax.jit(lambda *a: jn.layer_norm_backward(*a[:2], 257, *a[3:],
+    args = (dy, x, shape[1], mean.astype(np.float32), rstd.astype(np.float32), w, b)
+    f = jax.jit(lambda *a: jn.layer_norm_backward(*a[:2], shape[1], *a[3:],
                                                   implementation=self.implementation))
     first = [np.asarray(o) for o in f(*args)]
     for _ in range(3):
@@ -144,3 +147,21 @@ class TestLayerNormDefault(LayerNormOpTests):
 
 class TestLayerNormXla(LayerNormOpTests):
   implementation = "xla"
+
+
+class TestLayerNormPallas(LayerNormOpTests):
+  """The Pallas kernels, interpreted on CPU (about 1.5 s of compilation per test).
+
+  Every case once, with the dtype and the presence of weight rotating rather
+  than multiplied out; a 70,000-long row (chunked: longer than one tile) for
+  the 1,000,003-long one; fewer rows for determinism.
+  """
+
+  implementation = "pallas"
+  cases = {
+      "dtype,with_weight,shape,norm_shape": rotate(LN_CASES, DTYPES, [True, False]),
+      "dtype,shape,norm_shape": rotate(LN_CASES, DTYPES),
+      **LayerNormOpTests.cases,
+  }
+  long_row = ((2, 70_000), (70_000,))
+  deterministic_shape = (515, 257)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_normgrad import _ffi, reference
+from jax_normgrad.pallas import group_norm as pallas_gn
 from jax_normgrad.primitives._common import make_primitive, shaped
 from jax_normgrad.primitives.layer_norm import _split_params
 
@@ -49,7 +50,7 @@ def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_
 
 
 group_norm_fwd_p = make_primitive("jax_normgrad_group_norm_fwd", _fwd_abstract,
-                                  xla=_fwd_xla, ffi=_fwd_ffi)
+                                  xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_gn.group_norm_fwd)
 
 
 # ----------------------------------------------------------------------------
@@ -86,4 +87,4 @@ def _bwd_ffi(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_
 
 
 group_norm_bwd_p = make_primitive("jax_normgrad_group_norm_bwd", _bwd_abstract,
-                                  xla=_bwd_xla, ffi=_bwd_ffi)
+                                  xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_gn.group_norm_bwd)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_normgrad import _ffi, reference
+from jax_normgrad.pallas import layer_norm as pallas_ln
 from jax_normgrad.primitives._common import make_primitive, shaped
 
 F32 = jnp.float32
@@ -62,7 +63,7 @@ def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, writ
 
 
 layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
-                                  xla=_fwd_xla, ffi=_fwd_ffi)
+                                  xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_ln.layer_norm_fwd)
 
 
 # ----------------------------------------------------------------------------
@@ -105,4 +106,4 @@ def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups, norm
 
 
 layer_norm_bwd_p = make_primitive("jax_normgrad_layer_norm_bwd", _bwd_abstract,
-                                  xla=_bwd_xla, ffi=_bwd_ffi)
+                                  xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_ln.layer_norm_bwd)

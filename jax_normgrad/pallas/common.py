@@ -1,0 +1,192 @@
+"""What the Pallas kernels share: the segment description, the per-tile math and backend dispatch.
+
+LayerNorm, RMSNorm and GroupNorm in both layouts are one problem to the
+kernels: ``x`` viewed as ``(n, a, b)`` is cut into ``n * groups`` segments,
+each normalized on its own, and the parameters are indexed by the channel
+axis (``a`` or ``b``). See :class:`Segments`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_normgrad.pallas import config
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """Static description of one normalization problem.
+
+  ``x`` is viewed as ``(n, a, b)``:
+
+  * ``"rows"`` (LayerNorm / RMSNorm): ``(M, 1, H)``, a segment per row; the
+    parameters are indexed by the H axis.
+  * ``"channels_first"`` (GroupNorm NCHW): ``(N, C, HW)``, channels on axis 1.
+  * ``"channels_last"`` (GroupNorm NHWC): ``(N, HW, C)``, channels on axis 2.
+
+  Segment ``(i, g)`` is ``x[i]`` restricted to the channels
+  ``[g * cg, (g + 1) * cg)``; its statistics are ``mean[i, g]``,
+  ``rstd[i, g]``. The samples form ``param_groups`` (W) equal contiguous
+  groups, each with its own parameter row (W > 1 only under vmap).
+  """
+
+  kind: str
+  n: int
+  a: int
+  b: int
+  groups: int
+  param_groups: int
+  centered: bool = True
+
+  @property
+  def chan_axis(self) -> int:
+    return 1 if self.kind == "channels_first" else 2
+
+  @property
+  def channels(self) -> int:
+    return self.a if self.chan_axis == 1 else self.b
+
+  @property
+  def cg(self) -> int:
+    """Channels per group."""
+    return self.channels // self.groups
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    """The shape of one segment in the ``(a, b)`` plane."""
+    return (self.cg, self.b) if self.chan_axis == 1 else (self.a, self.cg)
+
+  @property
+  def count(self) -> int:
+    """Elements per segment (the ``H`` or ``C/G * HW`` of the means)."""
+    return self.shape[0] * self.shape[1]
+
+  @property
+  def per_group(self) -> int:
+    """Samples per parameter group."""
+    return self.n // self.param_groups
+
+
+def unpack(operands, *present: bool):
+  """Splits the optional trailing operands of a primitive: one per flag, None where absent."""
+  operands = list(operands)
+  return [operands.pop(0) if p else None for p in present]
+
+
+# ----------------------------------------------------------------------------
+# Per-tile math, float32, shared by the GPU and TPU kernels.
+
+
+def xhat_and_g(x, dy, mean, rstd, gamma):
+  """``xhat = (x - mean) * rstd`` (RMSNorm: ``mean`` None) and ``g = dy * gamma``."""
+  xhat = (x - mean) * rstd if mean is not None else x * rstd
+  return xhat, (dy * gamma if gamma is not None else dy)
+
+
+def grad_input(g, xhat, c1, c2, rstd):
+  """``dx = rstd * (g - c1 - xhat * c2)``, ``c1 = mean(g)``, ``c2 = mean(g * xhat)``.
+
+  ``c1`` is None for RMSNorm, whose xhat does not depend on a mean.
+  """
+  inner = g - xhat * c2
+  return rstd * (inner - c1 if c1 is not None else inner)
+
+
+def inv_std(var, eps):
+  """``rstd = 1 / sqrt(var + eps)``."""
+  return 1.0 / jnp.sqrt(var + jnp.float32(eps))
+
+
+def normalize(xc, rstd, weight, bias):
+  """``y = xc * rstd * weight + bias`` with ``xc`` the centered x (RMSNorm: x)."""
+  y = xc * rstd
+  if weight is not None:
+    y = y * weight
+  return y + bias if bias is not None else y
+
+
+def combine_moments(state, chunk):
+  """Merges the ``(count, mean, m2)`` moments of two disjoint parts (Chan et al.).
+
+  ``m2`` is the sum of squared deviations from the part's mean; merging
+  chunk by chunk keeps the accuracy of the two-pass variance in one pass.
+  """
+  na, ma, qa = state
+  nb, mb, qb = chunk
+  n = na + nb
+  delta = mb - ma
+  return n, ma + delta * (nb / n), qa + qb + delta * delta * (na * nb / n)
+
+
+def sum_partials(partials):
+  """``(W, P, C)`` float32 partial sums -> ``(W, C)``, added in program order.
+
+  A fixed sequence of adds (XLA does not reassociate them): the result is
+  bitwise reproducible. Used where P is small (TPU); the GPU sums its many
+  partials with a Pallas kernel of the same order.
+  """
+  total = partials[:, 0]
+  for p in range(1, partials.shape[1]):
+    total = total + partials[:, p]
+  return total
+
+
+# ----------------------------------------------------------------------------
+# Dispatch: which kernels run where.
+
+
+def dispatch(gpu_fn, tpu_fn, arrays, *, interpret: bool, **static):
+  """Runs ``gpu_fn`` on CUDA/ROCm, ``tpu_fn`` on TPU, either interpreted on CPU.
+
+  The lowering rule is shared by every platform and only says whether to
+  interpret, so the GPU/TPU choice is staged with ``lax.platform_dependent``:
+  the branch of the platform being lowered is the only one compiled. On CPU
+  the tuning's ``interpret_backend`` picks which kernels the interpreter runs.
+  Both return the final outputs, so the branches have the same types.
+  """
+  if interpret:
+    fn = tpu_fn if config.current().interpret_backend == "tpu" else gpu_fn
+    return fn(*arrays, interpret=True, **static)
+  gpu = functools.partial(gpu_fn, interpret=False, **static)
+  return lax.platform_dependent(*arrays, cuda=gpu, rocm=gpu,
+                                tpu=functools.partial(tpu_fn, interpret=False, **static))
+
+
+def _backends():
+  """The kernel modules, imported on first lowering: importing Pallas costs about
+  0.3 s, which ``import jax_normgrad`` should not pay on CPU."""
+  from jax_normgrad.pallas import gpu, tpu  # pylint: disable=g-import-not-at-top
+  return gpu, tpu
+
+
+def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool):
+  """``(y, mean | None, rstd)``: ``y`` like x ``(n, a, b)``, statistics ``(n, groups)`` float32."""
+  gpu, tpu = _backends()
+  stats = jnp.zeros((seg.n, seg.groups), F32)
+  if x.size == 0:
+    return jnp.zeros_like(x), (stats if seg.centered else None), stats
+  return dispatch(gpu.forward, tpu.forward, (x, weight, bias), interpret=interpret, seg=seg,
+                  eps=eps)
+
+
+def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool):
+  """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools).
+
+  ``dx`` like x; ``dgamma``, ``dbeta`` of shape ``(param_groups, channels)``
+  float32. Empty inputs give an empty ``dx`` and zero parameter gradients.
+  """
+  gpu, tpu = _backends()
+  if not any(mask):
+    return (None, None, None)
+  if x.size == 0:
+    zeros = jnp.zeros((seg.param_groups, seg.channels), F32)
+    return (jnp.zeros_like(x) if mask[0] else None,) + tuple(
+        zeros if m else None for m in mask[1:])
+  return dispatch(gpu.backward, tpu.backward, (dy, x, mean, rstd, gamma), interpret=interpret,
+                  seg=seg, mask=tuple(mask))

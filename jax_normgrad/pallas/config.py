@@ -1,0 +1,228 @@
+"""Tile and grid heuristics of the Pallas kernels, per backend, in one place.
+
+Everything here is decided at trace time from static shapes and the dtype.
+The numbers are starting points derived from hardware limits (registers per
+SM, VMEM per TensorCore, the (8, 128) TPU tiling), not measured optima: no
+GPU or TPU was available when they were chosen. Tune them here, nowhere else.
+
+GPU (Triton). A normalization segment (a LayerNorm row, a GroupNorm
+``(sample, group)`` block) is processed as 2-D power-of-two tiles held in
+registers. The backward keeps about seven float32 values per tile element
+live (x, dy, xhat, g, dx and two accumulators), and an SM has 64K 32-bit
+registers, so a fused backward tile is at most 8192 elements; the forward
+keeps about three and may use 16384. A longer segment is looped over in
+chunks of that size (a second pass for the statistics it needs first).
+
+TPU (Mosaic). A block of at most ``tpu_block_elems`` elements after padding
+to the (8, 128) vreg tiling (16 sublanes for 16-bit types): x, dy and dx
+double-buffered plus float32 temporaries stay under about 6 MiB, inside the
+16 MiB default scoped VMEM of v4/v5e with room to spare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Iterator
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """The tunable constants; see the module docstring for where they come from."""
+
+  #: Largest fused GPU tile (elements) of the backward and of the forward.
+  gpu_max_tile_bwd: int = 8192
+  gpu_max_tile_fwd: int = 16384
+  #: SM count used when no GPU is attached at trace time (export): H100 SXM.
+  gpu_default_sms: int = 132
+  #: Warps of persistent programs per SM: half of the 64 an SM can hold, so
+  #: that loads of one program overlap the arithmetic of another while the
+  #: float32 working set still fits the registers.
+  gpu_warps_per_sm: int = 32
+  #: Tiles up to this many elements are software-pipelined (num_stages=2).
+  gpu_small_tile: int = 2048
+  #: Persistent programs of the interpreter (CPU tests): few, to keep it fast,
+  #: more than one so that the partial sums and their reduction are exercised.
+  interpret_programs: int = 3
+  #: Elements of one TPU data block after padding to the vreg tiling.
+  tpu_block_elems: int = 128 * 1024
+  #: TensorCores sharing a TPU chip's grid ("parallel" axis): 2 on megacore
+  #: chips (v4, v5p); on single-core chips the two halves just run in turn.
+  tpu_cores: int = 2
+  #: Which kernels ``interpret=True`` (CPU) runs: "gpu" or "tpu".
+  interpret_backend: str = "gpu"
+
+
+_tuning = Tuning()
+
+
+def current() -> Tuning:
+  return _tuning
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Tuning]:
+  """Temporarily changes the tuning (tests). Call ``jax.clear_caches()`` around it:
+  compiled functions keep the tiles they were lowered with."""
+  global _tuning
+  saved = _tuning
+  _tuning = dataclasses.replace(saved, **changes)
+  try:
+    yield _tuning
+  finally:
+    _tuning = saved
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _round_up(n: int, m: int) -> int:
+  return cdiv(n, m) * m
+
+
+# ----------------------------------------------------------------------------
+# GPU (Triton)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+  """How a segment of shape ``(sa, sb)`` is tiled on a GPU.
+
+  Attributes:
+    tile: power-of-two ``(ta, tb)`` tile; masked where it overhangs the segment.
+    chunks: tiles per segment along each axis; ``(1, 1)`` is the fused case
+      (the whole segment in registers, x and dy read once).
+    num_warps, num_stages: Triton launch parameters.
+  """
+
+  tile: tuple[int, int]
+  chunks: tuple[int, int]
+  num_warps: int
+  num_stages: int
+
+  @property
+  def fused(self) -> bool:
+    return self.chunks == (1, 1)
+
+
+def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool) -> GpuPlan:
+  """Tiles a segment: the whole of it if it fits, else halving the longer tile side.
+
+  ``num_warps`` gives each thread about 16 bytes of every input per tile
+  (one vectorized load: 4 float32 or 8 16-bit elements), 1 to 16 warps.
+  """
+  t = current()
+  limit = t.gpu_max_tile_bwd if backward else t.gpu_max_tile_fwd
+  ta, tb = _pow2(segment[0]), _pow2(segment[1])
+  while ta * tb > limit:
+    if ta >= tb:
+      ta //= 2
+    else:
+      tb //= 2
+  elems = ta * tb
+  per_thread = max(16 // itemsize, 1)
+  num_warps = min(max(elems // (32 * per_thread), 1), 16)
+  return GpuPlan(tile=(ta, tb), chunks=(cdiv(segment[0], ta), cdiv(segment[1], tb)),
+                 num_warps=num_warps, num_stages=2 if elems <= t.gpu_small_tile else 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _attached_sms() -> int | None:
+  """The SM count of an attached GPU, None when tracing without one (export)."""
+  for backend in ("cuda", "rocm"):
+    try:
+      devices = jax.devices(backend)
+    except RuntimeError:
+      continue
+    count = getattr(devices[0], "core_count", None)
+    if count:
+      return int(count)
+  return None
+
+
+def gpu_programs(plan: GpuPlan, *, interpret: bool) -> int:
+  """Target number of persistent programs: ``gpu_warps_per_sm`` warps' worth per SM."""
+  t = current()
+  if interpret:
+    return t.interpret_programs
+  sms = _attached_sms() or t.gpu_default_sms
+  return sms * max(t.gpu_warps_per_sm // plan.num_warps, 1)
+
+
+def split(samples: int, target: int) -> tuple[int, int]:
+  """``(programs, samples per program)``: at most ``target`` programs, none empty."""
+  per = cdiv(samples, max(min(target, samples), 1))
+  return cdiv(samples, per), per
+
+
+# ----------------------------------------------------------------------------
+# TPU (Mosaic)
+
+
+def sublanes(itemsize: int) -> int:
+  """Rows of one vreg tile: 8 for 32-bit, 16 for 16-bit (packed) types."""
+  return 8 * max(4 // itemsize, 1)
+
+
+def _even_chunk(extent: int, largest: int, align: int) -> int:
+  """A chunk of at most ``largest`` (a multiple of ``align``) splitting ``extent`` evenly."""
+  chunks = cdiv(extent, largest)
+  return _round_up(cdiv(extent, chunks), align)
+
+
+def _fit(extent: int, budget_units: int, align: int) -> int:
+  """The whole ``extent`` if it fits ``budget_units``, else an even aligned chunk."""
+  if extent <= budget_units:
+    return extent
+  return _even_chunk(extent, max(budget_units // align, 1) * align, align)
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+  return max(d for d in range(1, min(n, max(at_most, 1)) + 1) if n % d == 0)
+
+
+def tpu_rows_tiles(rows: int, width: int, itemsize: int) -> tuple[int, int]:
+  """LayerNorm ``(rows, width)``: a ``(tm, th)`` block, th the whole row if it fits."""
+  budget, sub = current().tpu_block_elems, sublanes(itemsize)
+  th = _fit(width, budget // sub, 128)
+  tm = max(budget // _round_up(th, 128) // sub, 1) * sub
+  return (rows if rows <= tm else tm), th
+
+
+def tpu_channels_first_tiles(samples: int, cg: int, hw: int, itemsize: int) -> tuple[int, int, int]:
+  """GroupNorm NCHW segment ``(cg, hw)``: ``(tn, tc, thw)``, tn dividing ``samples``."""
+  budget, sub = current().tpu_block_elems, sublanes(itemsize)
+  seg = _round_up(cg, sub) * _round_up(hw, 128)
+  if seg <= budget:
+    return _largest_divisor(samples, budget // seg), cg, hw
+  if _round_up(cg, sub) * 128 <= budget:
+    return 1, cg, _fit(hw, budget // _round_up(cg, sub), 128)
+  thw = _fit(hw, budget // sub, 128)
+  return 1, _fit(cg, budget // _round_up(thw, 128), sub), thw
+
+
+def tpu_channels_last_tiles(samples: int, hw: int, c: int, itemsize: int) -> tuple[int, int]:
+  """GroupNorm channels-last sample ``(hw, c)``: ``(tn, thw)``, all channels per block.
+
+  The channels of a sample stay in one block (the groups are lane segments),
+  so C is limited by VMEM (about 16K float32 channels per 8 rows).
+  """
+  budget, sub = current().tpu_block_elems, sublanes(itemsize)
+  row = _round_up(c, 128)
+  per_sample = _round_up(hw, sub) * row
+  if per_sample <= budget:
+    return _largest_divisor(samples, budget // per_sample), hw
+  return 1, _fit(hw, max(budget // row, sub), sub)
+
+
+def tpu_split(blocks: int) -> tuple[int, int]:
+  """``(programs, steps)``: sample blocks spread over the TensorCores, none idle."""
+  return split(blocks, current().tpu_cores)

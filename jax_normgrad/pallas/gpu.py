@@ -1,0 +1,328 @@
+"""Pallas Triton kernels for CUDA and ROCm: persistent programs that loop over their samples.
+
+Backend choice: Triton, on purpose. It lowers for every recent NVIDIA GPU
+(A100 as well as H100) and for ROCm, and its masked loads of power-of-two
+tiles are how rows that are not powers of two are handled. Mosaic GPU, its
+successor in JAX, needs Hopper or newer and does not run on ROCm. Every
+``pallas_call`` here passes ``pltriton.CompilerParams``, so the backend does
+not depend on the ``jax_pallas_use_mosaic_gpu`` default.
+
+Launch: programs ``(w, g, p)``, flattened to one grid axis; program ``p`` of
+parameter group ``w`` and channel group ``g`` handles a contiguous range of
+that parameter group's samples, a few programs per SM in all (a persistent
+grid: ``config.gpu_programs``). Refs are whole arrays in global memory;
+tiles are loaded with masks, so nothing is padded or transposed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jax_normgrad.pallas import common, config
+
+F32 = jnp.float32
+
+
+def _loop(lower, upper, body, init):
+  """``lax.fori_loop``, or a plain call for a single static iteration (fused tiles)."""
+  if isinstance(lower, int) and isinstance(upper, int) and upper - lower == 1:
+    return body(lower, init)
+  return lax.fori_loop(lower, upper, body, init)
+
+
+def _load(ref, mask):
+  """Masked load as float32; masked-off elements read as 0."""
+  return pltriton.load(ref, mask=mask, other=0).astype(F32)
+
+
+class _Launch:
+  """Static geometry of one launch: the programs, their samples, the tiles of a segment."""
+
+  def __init__(self, seg: common.Segments, plan: config.GpuPlan, interpret: bool):
+    self.seg, self.plan = seg, plan
+    per_group = max(config.gpu_programs(plan, interpret=interpret)
+                    // (seg.param_groups * seg.groups), 1)
+    self.programs, self.per_program = config.split(seg.per_group, per_group)
+    self.grid = (seg.param_groups * seg.groups * self.programs,)
+    c = seg.chan_axis - 1  # the tile axis along the channels
+    self.chan_tile = plan.tile[c]
+    self.chan_chunks, self.space_chunks = plan.chunks[c], plan.chunks[1 - c]
+
+  def program(self):
+    """``(w, g, p, start, end)``: this program's groups and its samples ``[start, end)``."""
+    seg = self.seg
+    pid = pl.program_id(0)
+    # lax.div/rem: C semantics are right for these non-negative ints, and unlike
+    # jnp's floor semantics they lower to one Triton op.
+    p = lax.rem(pid, self.programs)
+    g = lax.rem(lax.div(pid, self.programs), seg.groups)
+    w = lax.div(pid, self.programs * seg.groups)
+    start = w * seg.per_group + p * self.per_program
+    return w, g, p, start, jnp.minimum(start + self.per_program, (w + 1) * seg.per_group)
+
+  def chunk(self, k):
+    """``(kc, ks)``: flat chunk index k of a segment, channel chunks outermost."""
+    if self.space_chunks == 1:
+      return k, 0
+    if self.chan_chunks == 1:
+      return 0, k
+    return lax.div(k, self.space_chunks), lax.rem(k, self.space_chunks)
+
+  def window(self, g, kc, ks):
+    """Ref indices and in-segment mask of the tile (channel chunk kc, other chunk ks) of group g."""
+    seg = self.seg
+    ta, tb = self.plan.tile
+    ka, kb = (kc, ks) if seg.chan_axis == 1 else (ks, kc)
+    a0, b0 = ka * ta, kb * tb
+    mask = ((a0 + lax.broadcasted_iota(jnp.int32, (ta, tb), 0) < seg.shape[0])
+            & (b0 + lax.broadcasted_iota(jnp.int32, (ta, tb), 1) < seg.shape[1]))
+    if seg.chan_axis == 1:
+      a0 = a0 + g * seg.cg
+    else:
+      b0 = b0 + g * seg.cg
+    return (pl.ds(a0, ta), pl.ds(b0, tb)), mask
+
+  def channels(self, g, kc):
+    """Ref index and mask of the channel vector of chunk kc of group g."""
+    first = kc * self.chan_tile
+    mask = first + lax.broadcasted_iota(jnp.int32, (self.chan_tile,), 0) < self.seg.cg
+    return pl.ds(g * self.seg.cg + first, self.chan_tile), mask
+
+  def per_channel(self, v):
+    """A channel vector, broadcastable against a tile."""
+    return v[:, None] if self.seg.chan_axis == 1 else v[None, :]
+
+  def channel_sum(self, tile):
+    """A tile summed over its non-channel axis."""
+    return jnp.sum(tile, axis=2 - self.seg.chan_axis)
+
+  def params(self, refs, w, g, kc):
+    """The per-channel parameter tiles (None where a ref is absent) of chunk kc."""
+    idx, mask = self.channels(g, kc)
+    return [None if r is None else self.per_channel(_load(r.at[w, idx], mask)) for r in refs]
+
+  def call(self, kernel, out_shape, *operands, interpret: bool, name: str):
+    """``pallas_call`` over this launch's grid; None operands are left out."""
+    params = pltriton.CompilerParams(num_warps=self.plan.num_warps,
+                                     num_stages=self.plan.num_stages)
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=self.grid, interpret=interpret,
+                          compiler_params=params, name=name)(
+                              *[a for a in operands if a is not None])
+
+
+# ----------------------------------------------------------------------------
+# Forward: y, mean, rstd
+
+
+def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: bool):
+  """Per segment: statistics (from the registers, or chunk by chunk), then ``y``.
+
+  Chunked segments merge per-chunk moments (``common.combine_moments``) in a
+  first pass and write ``y`` in a second.
+  """
+  seg = launch.seg
+  x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref = common.unpack(
+      refs, True, has_weight, has_bias, True, seg.centered, True)
+  w, g, _, start, end = launch.program()
+  chunks = launch.chan_chunks * launch.space_chunks
+
+  def tile(i, k):
+    idx, mask = launch.window(g, *launch.chunk(k))
+    return idx, mask, _load(x_ref.at[(i,) + idx], mask)
+
+  def write(i, k, mean, rstd, params):
+    idx, mask, x = tile(i, k)
+    xc = x - mean if seg.centered else x
+    pltriton.store(y_ref.at[(i,) + idx], common.normalize(xc, rstd, *params).astype(y_ref.dtype),
+                   mask=mask)
+
+  fused_params = launch.params((w_ref, b_ref), w, g, 0) if launch.plan.fused else None
+
+  def sample(i, carry):
+    if launch.plan.fused:
+      _, mask, x = tile(i, 0)
+      mean = jnp.sum(x) / seg.count if seg.centered else None
+      xc = jnp.where(mask, x - mean, 0.0) if seg.centered else x
+      rstd = common.inv_std(jnp.sum(xc * xc) / seg.count, eps)
+      write(i, 0, mean, rstd, fused_params)
+    else:
+      def moments(k, state):
+        _, mask, x = tile(i, k)
+        if not seg.centered:  # RMSNorm: the sum of squares is all it needs.
+          return state[:2] + (state[2] + jnp.sum(x * x),)
+        n = jnp.sum(mask.astype(F32))
+        m = jnp.sum(x) / n
+        d = jnp.where(mask, x - m, 0.0)
+        return common.combine_moments(state, (n, m, jnp.sum(d * d)))
+
+      _, mean, m2 = _loop(0, chunks, moments, (jnp.float32(0),) * 3)
+      mean = mean if seg.centered else None
+      rstd = common.inv_std(m2 / seg.count, eps)
+
+      def write_chunk(k, c):
+        write(i, k, mean, rstd, launch.params((w_ref, b_ref), w, g, launch.chunk(k)[0]))
+        return c
+
+      _loop(0, chunks, write_chunk, 0)
+    if seg.centered:
+      mean_ref[i, g] = mean
+    rstd_ref[i, g] = rstd
+    return carry
+
+  _loop(start, end, sample, 0)
+
+
+def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret: bool):
+  """``(y, mean | None, rstd)``; see ``common.forward``."""
+  launch = _Launch(seg, config.gpu_plan(seg.shape, x.dtype.itemsize, backward=False), interpret)
+  stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
+  kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps, has_weight=weight is not None,
+                             has_bias=bias is not None)
+  y, *st = launch.call(kernel, [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+                       + [stats] * (1 + seg.centered), x, weight, bias, interpret=interpret,
+                       name="jax_normgrad_norm_fwd")
+  return (y, *st) if seg.centered else (y, None, st[0])
+
+
+# ----------------------------------------------------------------------------
+# Backward: dx and the parameter gradients
+
+
+def _segment_means(g, xhat, seg):
+  """``(c1, c2) = (mean(g), mean(g * xhat))`` over a whole (masked) segment tile."""
+  c1 = jnp.sum(g) / seg.count if seg.centered else None
+  return c1, jnp.sum(g * xhat) / seg.count
+
+
+def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool):
+  """``c1``, ``c2`` of segments too long for one tile, one chunk at a time."""
+  seg = launch.seg
+  dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref = common.unpack(
+      refs, True, True, seg.centered, True, has_gamma, seg.centered, True)
+  w, g, _, start, end = launch.program()
+
+  def sample(i, carry):
+    mean = mean_ref[i, g] if seg.centered else None
+    rstd = rstd_ref[i, g]
+
+    def chunk(k, sums):
+      kc, ks = launch.chunk(k)
+      idx, mask = launch.window(g, kc, ks)
+      gamma, = launch.params((gamma_ref,), w, g, kc)
+      xhat, gg = common.xhat_and_g(_load(x_ref.at[(i,) + idx], mask),
+                                   _load(dy_ref.at[(i,) + idx], mask), mean, rstd, gamma)
+      return sums[0] + jnp.sum(gg), sums[1] + jnp.sum(gg * xhat)
+
+    s1, s2 = _loop(0, launch.chan_chunks * launch.space_chunks, chunk, (jnp.float32(0),) * 2)
+    if seg.centered:
+      c1_ref[i, g] = s1 / seg.count
+    c2_ref[i, g] = s2 / seg.count
+    return carry
+
+  _loop(start, end, sample, 0)
+
+
+def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma: bool):
+  """The fused backward: x and dy read once per tile, partials accumulated in registers.
+
+  For each channel chunk (one, unless a segment's channels exceed a tile),
+  the program walks its samples; for each it recomputes xhat from
+  mean/rstd, writes dx (with c1, c2 from the tile itself when the segment is
+  one tile, else from the stats kernel) and adds ``sum dy * xhat`` and
+  ``sum dy`` over the non-channel axis to float32 accumulators, stored once
+  per program as its partial row. No atomics: the partials are summed later.
+  """
+  seg = launch.seg
+  precomputed = mask[0] and not launch.plan.fused
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref,
+   dx_ref, dw_ref, db_ref) = common.unpack(
+       refs, True, True, seg.centered, True, has_gamma, precomputed and seg.centered,
+       precomputed, *mask)
+  partial_refs = [r for r in (dw_ref, db_ref) if r is not None]
+  w, g, p, start, end = launch.program()
+
+  def channel_chunk(kc, carry):
+    gamma, = launch.params((gamma_ref,), w, g, kc)
+
+    def sample(i, acc):
+      mean = mean_ref[i, g] if seg.centered else None
+      rstd = rstd_ref[i, g]
+      c = None
+      if precomputed:
+        c = (c1_ref[i, g] if seg.centered else None, c2_ref[i, g])
+
+      def chunk(ks, acc):
+        idx, m = launch.window(g, kc, ks)
+        x = _load(x_ref.at[(i,) + idx], m)
+        dy = _load(dy_ref.at[(i,) + idx], m)  # 0 where masked: no term below sees padding
+        xhat, gg = common.xhat_and_g(x, dy, mean, rstd, gamma)
+        if mask[0]:
+          c1, c2 = c if c is not None else _segment_means(gg, xhat, seg)
+          pltriton.store(dx_ref.at[(i,) + idx],
+                         common.grad_input(gg, xhat, c1, c2, rstd).astype(dx_ref.dtype), mask=m)
+        terms = [t for t, want in ((dy * xhat, mask[1]), (dy, mask[2])) if want]
+        return tuple(a + launch.channel_sum(t) for a, t in zip(acc, terms))
+
+      return _loop(0, launch.space_chunks, chunk, acc)
+
+    zeros = tuple(jnp.zeros((launch.chan_tile,), F32) for _ in partial_refs)
+    acc = _loop(start, end, sample, zeros)
+    idx, ok = launch.channels(g, kc)
+    for ref, a in zip(partial_refs, acc):
+      pltriton.store(ref.at[w, p, idx], a, mask=ok)
+    return carry
+
+  _loop(0, launch.chan_chunks, channel_chunk, 0)
+
+
+def _sum_partials_kernel(part_ref, out_ref, *, blocks: int, width: int):
+  """out[w, cols] = sum over p of part[w, p, cols], p in increasing order."""
+  pid = pl.program_id(0)
+  w, first = lax.div(pid, blocks), lax.rem(pid, blocks) * width
+  ok = first + lax.broadcasted_iota(jnp.int32, (width,), 0) < part_ref.shape[2]
+  cols = pl.ds(first, width)
+  total = lax.fori_loop(0, part_ref.shape[1],
+                        lambda p, acc: acc + _load(part_ref.at[w, p, cols], ok),
+                        jnp.zeros((width,), F32))
+  pltriton.store(out_ref.at[w, cols], total, mask=ok)
+
+
+def _sum_partials(partials, *, interpret: bool):
+  """``(W, P, C)`` -> ``(W, C)``: the second, small, fixed-order reduction."""
+  w, _, c = partials.shape
+  width = min(pl.next_power_of_2(c), 256)  # a few programs per row of partials
+  blocks = config.cdiv(c, width)
+  return pl.pallas_call(
+      functools.partial(_sum_partials_kernel, blocks=blocks, width=width),
+      out_shape=jax.ShapeDtypeStruct((w, c), F32), grid=(w * blocks,), interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      name="jax_normgrad_sum_partials")(partials)
+
+
+def backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret: bool):
+  """``(dx | None, dgamma | None, dbeta | None)``; see ``common.backward``."""
+  plan = config.gpu_plan(seg.shape, x.dtype.itemsize, backward=True)
+  launch = _Launch(seg, plan, interpret)
+  has_gamma = gamma is not None
+  c1 = c2 = None
+  if mask[0] and not plan.fused:
+    stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
+    cs = launch.call(functools.partial(_bwd_stats_kernel, launch=launch, has_gamma=has_gamma),
+                     [stats] * (1 + seg.centered), dy, x, mean, rstd, gamma,
+                     interpret=interpret, name="jax_normgrad_norm_bwd_stats")
+    c1, c2 = cs if seg.centered else (None, cs[0])
+  partial = jax.ShapeDtypeStruct((seg.param_groups, launch.programs, seg.channels), F32)
+  out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] if mask[0] else []) + [
+      partial] * sum(mask[1:])
+  outs = list(launch.call(
+      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_gamma=has_gamma), out_shape,
+      dy, x, mean, rstd, gamma, c1, c2, interpret=interpret, name="jax_normgrad_norm_bwd"))
+  dx = outs.pop(0) if mask[0] else None
+  return (dx,) + tuple(_sum_partials(outs.pop(0), interpret=interpret) if m else None
+                       for m in mask[1:])

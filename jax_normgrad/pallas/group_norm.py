@@ -1,0 +1,37 @@
+"""Pallas lowerings of the GroupNorm primitives, NCHW ``(N, C, HW)`` and channels-last ``(N, HW, C)``."""
+
+from __future__ import annotations
+
+from jax_normgrad.pallas import common
+
+
+def _groups(x, group, channels_last, param_groups):
+  n, a, b = x.shape
+  return common.Segments("channels_last" if channels_last else "channels_first", n, a, b,
+                         groups=group, param_groups=param_groups)
+
+
+def group_norm_fwd(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups,
+                   interpret):
+  """``[y, mean, rstd]``, statistics ``(N, G)`` over each ``C/G * HW`` block, in float32.
+
+  ``y = (x - mean) * rstd * weight[c] + bias[c]``; x is read in its layout,
+  never transposed.
+  """
+  weight, bias = common.unpack(params, has_weight, has_bias)
+  seg = _groups(x, group, channels_last, param_groups)
+  return list(common.forward(seg, x, weight, bias, eps=eps, interpret=interpret))
+
+
+def group_norm_bwd(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
+                   param_groups, interpret):
+  """The ``output_mask``'ed of ``[dx, dgamma, dbeta]`` (see ``reference.group_norm_bwd``).
+
+  Per ``(n, g)`` block, ``g = dy * gamma[c]``:
+  ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``;
+  ``dgamma[c] = sum_{n, hw} dy * xhat``, ``dbeta[c] = sum_{n, hw} dy``, float32.
+  """
+  gamma, = common.unpack(gamma, has_gamma)
+  seg = _groups(x, group, channels_last, param_groups)
+  outs = common.backward(seg, dy, x, mean, rstd, gamma, tuple(output_mask), interpret=interpret)
+  return [o for o, m in zip(outs, output_mask) if m]

@@ -1,0 +1,515 @@
+"""Pallas Mosaic kernels for TPU: a sequential grid per TensorCore with resident float32 accumulators.
+
+A TPU runs a Pallas grid as a loop on each TensorCore; the leading
+"parallel" axes (parameter group, channel group, program) are shared out
+between the cores of a megacore chip. Each program walks its contiguous
+range of sample blocks along an "arbitrary" axis while its partial
+parameter gradients stay in one output block in VMEM: the accumulation is
+sequential, hence deterministic, with no atomics. The programs' partials
+are added afterwards in a fixed order (``common.sum_partials``).
+
+Blocks obey the (8, 128) tiling rule: the last two block dims are either
+whole array dims or multiples of (8 or 16, 128). Ragged edges are masked
+with iotas: padding values are never summed (``where``, not a multiply, so
+that NaN garbage cannot leak). A segment too long for one block is done in
+two kernels: one accumulates its statistics over the chunks, the other
+uses them. float16, which Mosaic handles on few chips, is computed in
+float32 (converted outside the kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jax_normgrad.pallas import common, config
+
+F32 = jnp.float32
+_PARALLEL = ("w", "g", "p")
+
+
+def _lane_group_sum(v, groups: int, cg: int):
+  """Sums each run of ``cg`` lanes of ``v`` and broadcasts the sum back over the run."""
+  if cg == 1:
+    return v
+  if groups == 1:
+    return jnp.broadcast_to(jnp.sum(v, axis=-1, keepdims=True), v.shape)
+  lane = lax.broadcasted_iota(jnp.int32, (1, v.shape[-1]), 1)
+
+  def group(k, out):
+    inside = (lane >= k * cg) & (lane < (k + 1) * cg)
+    return jnp.where(inside, jnp.sum(jnp.where(inside, v, 0.0), axis=-1, keepdims=True), out)
+
+  return lax.fori_loop(0, groups, group, jnp.zeros_like(v))
+
+
+class _Layout:
+  """How one ``Segments`` kind maps onto TPU blocks; subclasses fill in the specifics.
+
+  Grid axes are named: ``w`` parameter group, ``g`` channel group, ``p``
+  program, ``s`` sample block of the program, ``c``/``h`` chunks of a
+  segment. ``main_order`` is the backward's grid (partials accumulate over
+  ``main_acc``), ``stats_order`` the grid of the kernels that accumulate a
+  segment's statistics over its chunks (``stats_acc``). Operand kinds:
+  ``data`` (x, dy, dx, y), ``stats`` (mean, rstd, c1, c2), ``param``
+  (weight, bias), ``partial`` (the per-program parameter gradients).
+  """
+
+  main_order: tuple[str, ...]
+  main_acc: tuple[str, ...]
+  stats_order: tuple[str, ...]
+  stats_acc: tuple[str, ...]
+  chunk_axes: tuple[str, ...]
+
+  def __init__(self, seg: common.Segments, sample_tile: int):
+    self.seg = seg
+    self.blocks_per_group = config.cdiv(seg.per_group, sample_tile)
+    self.programs, self.steps = config.tpu_split(self.blocks_per_group)
+    self.sizes = {"w": seg.param_groups, "g": seg.groups, "p": self.programs, "s": self.steps}
+
+  @property
+  def fused(self) -> bool:
+    return all(self.sizes[a] == 1 for a in self.chunk_axes)
+
+  # Helpers of the index maps and kernels.
+  def sample_block(self, ids):
+    """The block of samples of step ``s`` of program ``p``, clamped: the last
+    program's steps past the end redo its own last block (identical writes, no
+    other core involved; their partial sums are skipped by ``in_range``)."""
+    return jnp.minimum(ids["p"] * self.steps + ids["s"], self.blocks_per_group - 1)
+
+  def in_range(self, ids):
+    return ids["p"] * self.steps + ids["s"] < self.blocks_per_group
+
+  def first(self, ids, axes):
+    return functools.reduce(jnp.logical_and, [ids[a] == 0 for a in axes], True)
+
+  def last(self, ids, axes):
+    return functools.reduce(jnp.logical_and, [ids[a] == self.sizes[a] - 1 for a in axes], True)
+
+  def grid(self, order):
+    return tuple(self.sizes[a] for a in order)
+
+  def spec(self, kind: str, order):
+    index = getattr(self, f"{kind}_index")
+    return pl.BlockSpec(getattr(self, f"{kind}_block"),
+                        lambda *grid_ids: index(dict(zip(order, grid_ids))))
+
+  def sample_mask(self, ids):
+    """Mask of the valid samples of a block (None: blocks are never ragged)."""
+    return None
+
+  def inner_mask(self, ids):
+    """Mask of the in-segment elements of a chunked block (None: not chunked)."""
+    return None
+
+
+class _Rows(_Layout):
+  """LayerNorm: x as ``(W, M/W, H)``; blocks ``(tm, th)``, a segment per sublane row."""
+
+  main_order, main_acc = ("w", "p", "h", "s"), ("s",)
+  stats_order, stats_acc = ("w", "p", "s", "h"), ("h",)
+  chunk_axes = ("h",)
+
+  def __init__(self, seg, itemsize):
+    self.tm, self.th = config.tpu_rows_tiles(seg.per_group, seg.b, itemsize)
+    super().__init__(seg, self.tm)
+    self.sizes["h"] = config.cdiv(seg.b, self.th)
+    w, mw, h = seg.param_groups, seg.per_group, seg.b
+    self.data_shape, self.stats_shape = (w, mw, h), (w, mw, 1)
+    self.partial_shape = (w, self.programs, 1, h)
+    self.data_block, self.stats_block = (None, self.tm, self.th), (None, self.tm, 1)
+    self.param_block, self.partial_block = (None, 1, self.th), (None, None, 1, self.th)
+
+  def data_index(self, ids):
+    return ids["w"], self.sample_block(ids), ids["h"]
+
+  def stats_index(self, ids):
+    return ids["w"], self.sample_block(ids), 0
+
+  def param_index(self, ids):
+    return ids["w"], 0, ids["h"]
+
+  def partial_index(self, ids):
+    return ids["w"], ids["p"], 0, ids["h"]
+
+  def view_stats(self, s):
+    return s.reshape(self.stats_shape)
+
+  def unview_stats(self, s):
+    return s.reshape(self.seg.n, 1)
+
+  def view_param(self, p):
+    return p.reshape(self.seg.param_groups, 1, self.seg.b)
+
+  def seg_sum(self, v):
+    return jnp.sum(v, axis=1, keepdims=True)
+
+  def param_sum(self, v):
+    return jnp.sum(v, axis=0, keepdims=True)
+
+  def sample_mask(self, ids):
+    if self.seg.per_group % self.tm == 0:
+      return None
+    rows = lax.broadcasted_iota(jnp.int32, (self.tm, self.th), 0)
+    return (ids["p"] * self.steps + ids["s"]) * self.tm + rows < self.seg.per_group
+
+  def inner_mask(self, ids):
+    if self.seg.b % self.th == 0:
+      return None
+    cols = lax.broadcasted_iota(jnp.int32, (self.tm, self.th), 1)
+    return ids["h"] * self.th + cols < self.seg.b
+
+
+class _ChannelsFirst(_Layout):
+  """GroupNorm NCHW: x as ``(W, N/W, G, C/G, HW)``; blocks ``(tn, tc, thw)`` of one group."""
+
+  main_order, main_acc = ("w", "g", "p", "c", "s", "h"), ("s", "h")
+  stats_order, stats_acc = ("w", "g", "p", "s", "c", "h"), ("c", "h")
+  chunk_axes = ("c", "h")
+
+  def __init__(self, seg, itemsize):
+    self.tn, self.tc, self.thw = config.tpu_channels_first_tiles(seg.per_group, seg.cg, seg.b,
+                                                                 itemsize)
+    super().__init__(seg, self.tn)
+    self.sizes["c"], self.sizes["h"] = config.cdiv(seg.cg, self.tc), config.cdiv(seg.b, self.thw)
+    w, nw, g, cg, hw = seg.param_groups, seg.per_group, seg.groups, seg.cg, seg.b
+    self.data_shape, self.stats_shape = (w, nw, g, cg, hw), (w, nw, g, 1, 1)
+    self.partial_shape = (w, self.programs, g, 1, cg, 1)
+    self.data_block, self.stats_block = (None, self.tn, None, self.tc, self.thw), (
+        None, self.tn, None, 1, 1)
+    self.param_block, self.partial_block = (None, None, self.tc, 1), (
+        None, None, None, 1, self.tc, 1)
+
+  def data_index(self, ids):
+    return ids["w"], self.sample_block(ids), ids["g"], ids["c"], ids["h"]
+
+  def stats_index(self, ids):
+    return ids["w"], self.sample_block(ids), ids["g"], 0, 0
+
+  def param_index(self, ids):
+    return ids["w"], ids["g"], ids["c"], 0
+
+  def partial_index(self, ids):
+    return ids["w"], ids["p"], ids["g"], 0, ids["c"], 0
+
+  def view_stats(self, s):
+    return s.reshape(self.stats_shape)
+
+  def unview_stats(self, s):
+    return s.reshape(self.seg.n, self.seg.groups)
+
+  def view_param(self, p):
+    return p.reshape(self.seg.param_groups, self.seg.groups, self.seg.cg, 1)
+
+  def seg_sum(self, v):
+    return jnp.sum(jnp.sum(v, axis=2, keepdims=True), axis=1, keepdims=True)
+
+  def param_sum(self, v):
+    return jnp.sum(jnp.sum(v, axis=2, keepdims=True), axis=0, keepdims=True)
+
+  def inner_mask(self, ids):
+    if self.fused:
+      return None
+    shape = (self.tc, self.thw)
+    chans = ids["c"] * self.tc + lax.broadcasted_iota(jnp.int32, shape, 0) < self.seg.cg
+    space = ids["h"] * self.thw + lax.broadcasted_iota(jnp.int32, shape, 1) < self.seg.b
+    return (chans & space)[None]
+
+
+class _ChannelsLast(_Layout):
+  """GroupNorm NHWC: x as ``(W, N/W, HW, C)``; blocks ``(tn, thw, C)``, groups as lane runs.
+
+  The statistics are kept per channel (``(tn, 1, C)``, each group's value
+  repeated over its channels), so they broadcast against the block.
+  """
+
+  main_order, main_acc = ("w", "p", "s", "h"), ("s", "h")
+  stats_order, stats_acc = ("w", "p", "s", "h"), ("h",)
+  chunk_axes = ("h",)
+
+  def __init__(self, seg, itemsize):
+    self.tn, self.thw = config.tpu_channels_last_tiles(seg.per_group, seg.a, seg.b, itemsize)
+    super().__init__(seg, self.tn)
+    self.sizes["h"] = config.cdiv(seg.a, self.thw)
+    w, nw, hw, c = seg.param_groups, seg.per_group, seg.a, seg.b
+    self.data_shape, self.stats_shape = (w, nw, hw, c), (w, nw, 1, c)
+    self.partial_shape = (w, self.programs, 1, 1, c)
+    self.data_block, self.stats_block = (None, self.tn, self.thw, c), (None, self.tn, 1, c)
+    self.param_block, self.partial_block = (None, 1, c), (None, None, 1, 1, c)
+
+  def data_index(self, ids):
+    return ids["w"], self.sample_block(ids), ids["h"], 0
+
+  def stats_index(self, ids):
+    return ids["w"], self.sample_block(ids), 0, 0
+
+  def param_index(self, ids):
+    return ids["w"], 0, 0
+
+  def partial_index(self, ids):
+    return ids["w"], ids["p"], 0, 0, 0
+
+  def view_stats(self, s):
+    return jnp.repeat(s, self.seg.cg, axis=1).reshape(self.stats_shape)
+
+  def unview_stats(self, s):
+    return s.reshape(self.seg.n, self.seg.b)[:, ::self.seg.cg]
+
+  def view_param(self, p):
+    return p.reshape(self.seg.param_groups, 1, self.seg.b)
+
+  def seg_sum(self, v):
+    return _lane_group_sum(jnp.sum(v, axis=1, keepdims=True), self.seg.groups, self.seg.cg)
+
+  def param_sum(self, v):
+    return jnp.sum(jnp.sum(v, axis=1, keepdims=True), axis=0, keepdims=True)
+
+  def inner_mask(self, ids):
+    if self.fused:
+      return None
+    rows = lax.broadcasted_iota(jnp.int32, (self.thw, self.seg.b), 0)
+    return (ids["h"] * self.thw + rows < self.seg.a)[None]
+
+
+_LAYOUTS = {"rows": _Rows, "channels_first": _ChannelsFirst, "channels_last": _ChannelsLast}
+
+
+def _ids(order):
+  return {a: pl.program_id(i) for i, a in enumerate(order)}
+
+
+def _masked(v, mask):
+  return v if mask is None else jnp.where(mask, v, 0.0)
+
+
+def _call(lay: _Layout, order, kernel, inputs, outputs, *, interpret, name, scratch=()):
+  """``pallas_call`` over ``lay``'s grid in ``order``; operands as ``(kind, array | None)``."""
+  inputs = [(k, a) for k, a in inputs if a is not None]
+  semantics = tuple(pltpu.PARALLEL if a in _PARALLEL else pltpu.ARBITRARY for a in order)
+  return pl.pallas_call(
+      kernel,
+      out_shape=[s for _, s in outputs],
+      grid=lay.grid(order),
+      in_specs=[lay.spec(k, order) for k, _ in inputs],
+      out_specs=[lay.spec(k, order) for k, _ in outputs],
+      scratch_shapes=scratch,
+      interpret=interpret,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+      name=name,
+  )(*[a for _, a in inputs])
+
+
+def _param(ref):
+  return None if ref is None else ref[...]
+
+
+# ----------------------------------------------------------------------------
+# Forward
+
+
+def _fwd_kernel(*refs, lay: _Layout, eps: float, has_weight: bool, has_bias: bool):
+  """Segments within one block: statistics and y from a single read of x."""
+  seg = lay.seg
+  x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref = common.unpack(
+      refs, True, has_weight, has_bias, True, seg.centered, True)
+  x = x_ref[...].astype(F32)
+  mean = lay.seg_sum(x) / seg.count if seg.centered else None
+  xc = x - mean if seg.centered else x
+  rstd = common.inv_std(lay.seg_sum(xc * xc) / seg.count, eps)
+  y_ref[...] = common.normalize(xc, rstd, _param(w_ref), _param(b_ref)).astype(y_ref.dtype)
+  if seg.centered:
+    mean_ref[...] = mean
+  rstd_ref[...] = rstd
+
+
+def _moments_kernel(*refs, lay: _Layout, eps: float):
+  """Long segments: mean and rstd merged chunk by chunk (``common.combine_moments``)."""
+  seg = lay.seg
+  x_ref, mean_ref, rstd_ref, count_sc, mean_sc, m2_sc = common.unpack(
+      refs, True, seg.centered, True, seg.centered, seg.centered, True)
+  ids = _ids(lay.stats_order)
+  inner = lay.inner_mask(ids)
+  x = x_ref[...].astype(F32)
+  xm = _masked(x, inner)
+
+  @pl.when(lay.first(ids, lay.stats_acc))
+  def _():
+    for ref in (count_sc, mean_sc, m2_sc):
+      if ref is not None:
+        ref[...] = jnp.zeros_like(ref)
+
+  if seg.centered:
+    n = lay.seg_sum(_masked(jnp.ones_like(x), inner))
+    m = lay.seg_sum(xm) / n
+    d = _masked(x - m, inner)
+    state = common.combine_moments((count_sc[...], mean_sc[...], m2_sc[...]),
+                                   (n, m, lay.seg_sum(d * d)))
+    count_sc[...], mean_sc[...], m2_sc[...] = state
+  else:
+    m2_sc[...] += lay.seg_sum(xm * xm)
+
+  @pl.when(lay.last(ids, lay.stats_acc))
+  def _():
+    if seg.centered:
+      mean_ref[...] = mean_sc[...]
+    rstd_ref[...] = common.inv_std(m2_sc[...] / seg.count, eps)
+
+
+def _normalize_kernel(*refs, lay: _Layout, has_weight: bool, has_bias: bool):
+  """Long segments, second pass: ``y`` from the finished statistics."""
+  x_ref, mean_ref, rstd_ref, w_ref, b_ref, y_ref = common.unpack(
+      refs, True, lay.seg.centered, True, has_weight, has_bias, True)
+  x = x_ref[...].astype(F32)
+  xc = x - mean_ref[...] if mean_ref is not None else x
+  y_ref[...] = common.normalize(xc, rstd_ref[...], _param(w_ref), _param(b_ref)).astype(
+      y_ref.dtype)
+
+
+def _compute_dtype(x):
+  return F32 if x.dtype == jnp.float16 else x.dtype
+
+
+def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret: bool):
+  """``(y, mean | None, rstd)``; see ``common.forward``."""
+  out_dtype = x.dtype
+  x = x.astype(_compute_dtype(x))
+  lay = _LAYOUTS[seg.kind](seg, x.dtype.itemsize)
+  xv = x.reshape(lay.data_shape)
+  params = [("param", None if p is None else lay.view_param(p)) for p in (weight, bias)]
+  stats = jax.ShapeDtypeStruct(lay.stats_shape, F32)
+  stat_outs = [("stats", stats)] * (1 + seg.centered)
+  flags = dict(has_weight=weight is not None, has_bias=bias is not None)
+  if lay.fused:
+    y, *st = _call(lay, lay.stats_order,
+                   functools.partial(_fwd_kernel, lay=lay, eps=eps, **flags),
+                   [("data", xv)] + params,
+                   [("data", jax.ShapeDtypeStruct(xv.shape, x.dtype))] + stat_outs,
+                   interpret=interpret, name="jax_normgrad_norm_fwd")
+  else:
+    scratch = [pltpu.VMEM(tuple(d for d in lay.stats_block if d is not None), F32)]
+    st = _call(lay, lay.stats_order, functools.partial(_moments_kernel, lay=lay, eps=eps),
+               [("data", xv)], stat_outs, interpret=interpret, name="jax_normgrad_norm_fwd_moments",
+               scratch=scratch * (3 if seg.centered else 1))
+    y, = _call(lay, lay.stats_order, functools.partial(_normalize_kernel, lay=lay, **flags),
+               [("data", xv)] + [("stats", s) for s in st] + params,
+               [("data", jax.ShapeDtypeStruct(xv.shape, x.dtype))],
+               interpret=interpret, name="jax_normgrad_norm_fwd_apply")
+  y = y.reshape(x.shape).astype(out_dtype)
+  st = [lay.unview_stats(s) for s in st]
+  return (y, *st) if seg.centered else (y, None, st[0])
+
+
+# ----------------------------------------------------------------------------
+# Backward
+
+
+def _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref):
+  """The float32 ``(xhat, g, dy, rstd)`` of a block."""
+  dy = dy_ref[...].astype(F32)
+  rstd = rstd_ref[...]
+  xhat, g = common.xhat_and_g(x_ref[...].astype(F32), dy, _param(mean_ref), rstd,
+                              _param(gamma_ref))
+  return xhat, g, dy, rstd
+
+
+def _bwd_stats_kernel(*refs, lay: _Layout, has_gamma: bool):
+  """Long segments: ``c1 = mean(g)``, ``c2 = mean(g * xhat)`` summed chunk by chunk."""
+  seg = lay.seg
+  dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref = common.unpack(
+      refs, True, True, seg.centered, True, has_gamma, seg.centered, True)
+  ids = _ids(lay.stats_order)
+  inner = lay.inner_mask(ids)
+  xhat, g, _, _ = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref)
+  sums = [(c1_ref, g), (c2_ref, g * xhat)]
+  sums = [(ref, t) for ref, t in sums if ref is not None]
+
+  @pl.when(lay.first(ids, lay.stats_acc))
+  def _():
+    for ref, _ in sums:
+      ref[...] = jnp.zeros_like(ref)
+
+  for ref, t in sums:
+    ref[...] += lay.seg_sum(_masked(t, inner))
+
+  @pl.when(lay.last(ids, lay.stats_acc))
+  def _():
+    for ref, _ in sums:
+      ref[...] = ref[...] / seg.count
+
+
+def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool):
+  """dx from one read of x and dy; partials accumulated in the resident output block.
+
+  ``c1``/``c2`` come from the block itself when segments fit in one,
+  else from the stats kernel. Partial sums skip ragged padding and the
+  repeated blocks of steps past a program's end.
+  """
+  seg = lay.seg
+  precomputed = mask[0] and not lay.fused
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref,
+   dx_ref, dw_ref, db_ref) = common.unpack(
+       refs, True, True, seg.centered, True, has_gamma, precomputed and seg.centered,
+       precomputed, *mask)
+  ids = _ids(lay.main_order)
+  xhat, g, dy, rstd = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref)
+  if mask[0]:
+    if precomputed:
+      c1, c2 = _param(c1_ref), c2_ref[...]
+    else:
+      c1 = lay.seg_sum(g) / seg.count if seg.centered else None
+      c2 = lay.seg_sum(g * xhat) / seg.count
+    dx_ref[...] = common.grad_input(g, xhat, c1, c2, rstd).astype(dx_ref.dtype)
+  partials = [(ref, t) for ref, t in ((dw_ref, dy * xhat), (db_ref, dy)) if ref is not None]
+  if not partials:
+    return
+
+  @pl.when(lay.first(ids, lay.main_acc))
+  def _():
+    for ref, _ in partials:
+      ref[...] = jnp.zeros_like(ref)
+
+  valid = lay.inner_mask(ids)
+  rows = lay.sample_mask(ids)
+  if rows is not None:
+    valid = rows if valid is None else valid & rows
+
+  @pl.when(lay.in_range(ids))
+  def _():
+    for ref, t in partials:
+      ref[...] += lay.param_sum(_masked(t, valid))
+
+
+def backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret: bool):
+  """``(dx | None, dgamma | None, dbeta | None)``; see ``common.backward``."""
+  out_dtype = x.dtype
+  x, dy = x.astype(_compute_dtype(x)), dy.astype(_compute_dtype(x))
+  lay = _LAYOUTS[seg.kind](seg, x.dtype.itemsize)
+  data = [("data", dy.reshape(lay.data_shape)), ("data", x.reshape(lay.data_shape))]
+  stats = [("stats", None if mean is None else lay.view_stats(mean)),
+           ("stats", lay.view_stats(rstd))]
+  has_gamma = gamma is not None
+  params = [("param", lay.view_param(gamma) if has_gamma else None)]
+  cs = []
+  if mask[0] and not lay.fused:
+    st = jax.ShapeDtypeStruct(lay.stats_shape, F32)
+    cs = _call(lay, lay.stats_order, functools.partial(_bwd_stats_kernel, lay=lay,
+                                                       has_gamma=has_gamma),
+               data + stats + params, [("stats", st)] * (1 + seg.centered), interpret=interpret,
+               name="jax_normgrad_norm_bwd_stats")
+  partial = ("partial", jax.ShapeDtypeStruct(lay.partial_shape, F32))
+  outs = ([("data", jax.ShapeDtypeStruct(lay.data_shape, x.dtype))] if mask[0] else []) + [
+      partial] * sum(mask[1:])
+  res = list(_call(lay, lay.main_order,
+                   functools.partial(_bwd_kernel, lay=lay, mask=mask, has_gamma=has_gamma),
+                   data + stats + params + [("stats", c) for c in cs], outs,
+                   interpret=interpret, name="jax_normgrad_norm_bwd"))
+  dx = res.pop(0).reshape(x.shape).astype(out_dtype) if mask[0] else None
+  return (dx,) + tuple(
+      common.sum_partials(res.pop(0).reshape(seg.param_groups, lay.programs, seg.channels))
+      if m else None for m in mask[1:])

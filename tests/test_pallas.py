@@ -1,0 +1,256 @@
+"""Pallas kernels: lowering for CUDA (Triton) and TPU (Mosaic) on CPU; both kernel sets interpreted.
+
+No GPU or TPU is needed. ``jax.export`` lowers for a platform without one:
+the tests check that the Pallas custom call is what runs there (no
+fallback). The op suites run the GPU kernels interpreted; here the TPU
+kernels are interpreted too, and both with tiny tiles so that chunked
+segments, ragged blocks and idle steps are exercised on small inputs. The
+RMSNorm variant (``centered=False``) is checked through its primitives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_normgrad as jn
+from jax_normgrad import reference
+from jax_normgrad.ops._common import present
+from jax_normgrad.pallas import config
+from jax_normgrad.primitives.group_norm import group_norm_bwd_p, group_norm_fwd_p
+from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
+from cases import DTYPES, MASKS, random, rotate
+import reference_np as ref
+from tolerances import assert_close
+
+F32 = jnp.float32
+TRITON = "__gpu$xla.gpu.triton"
+CUSTOM_CALL = {"cuda": TRITON, "tpu": "tpu_custom_call"}
+PLATFORMS = ["cuda", "tpu"]
+
+
+def _export_text(f, args, platform):
+  """The StableHLO text of ``f`` exported for ``platform``; a fallback warning fails."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jn.FallbackWarning)
+    exported = jax.export.export(
+        jax.jit(f), platforms=[platform],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+  return exported.mlir_module()
+
+
+def _assert_pallas(text, platform, kernels=("fwd", "bwd")):
+  assert CUSTOM_CALL[platform] in text
+  for k in kernels:
+    assert f"jax_normgrad_norm_{k}" in text, k
+  # Only the platform's own kernels are lowered, and no CPU FFI call.
+  assert not any(CUSTOM_CALL[p] in text for p in PLATFORMS if p != platform)
+  assert "custom_call @jax_normgrad_" not in text
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _grad_of(norm):
+  return jax.grad(lambda x, w, b: jnp.sum(norm(x, w, b).astype(F32)), argnums=(0, 1, 2))
+
+
+# ----------------------------------------------------------------------------
+# Lowering for GPU and TPU
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("hidden", [768, 1000, 4096, 5120, 12288])
+def test_layer_norm_grad_lowers_to_pallas(platform, dtype, hidden):
+  text = _export_text(_grad_of(jn.layer_norm),
+                      (_sds((4, 8, hidden), dtype), _sds((hidden,), dtype), _sds((hidden,), dtype)),
+                      platform)
+  _assert_pallas(text, platform)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("channel_axis", [1, -1])
+def test_group_norm_grad_lowers_to_pallas(platform, dtype, channel_axis):
+  shape = (8, 256, 32, 32) if channel_axis == 1 else (8, 32, 32, 256)
+  norm = lambda x, w, b: jn.group_norm(x, 32, w, b, channel_axis=channel_axis)
+  text = _export_text(_grad_of(norm), (_sds(shape, dtype), _sds((256,), dtype),
+                                       _sds((256,), dtype)), platform)
+  _assert_pallas(text, platform)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_vmap_with_batched_parameters_lowers_to_pallas(platform):
+  # A batched weight makes param_groups = 3 inside the kernels.
+  ln = jax.vmap(_grad_of(jn.layer_norm))
+  _assert_pallas(_export_text(ln, (_sds((3, 16, 1000), F32), _sds((3, 1000), F32),
+                                   _sds((3, 1000), F32)), platform), platform)
+  gn = jax.vmap(_grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1)))
+  _assert_pallas(_export_text(gn, (_sds((3, 2, 9, 9, 24), jnp.bfloat16),
+                                   _sds((3, 24), jnp.bfloat16), _sds((3, 24), jnp.bfloat16)),
+                              platform), platform)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_rms_norm_primitives_lower_to_pallas(platform):
+  def f(x, w, dy):
+    y, rstd = layer_norm_fwd_p.bind(x, w, eps=1e-6, centered=False, has_weight=True,
+                                    has_bias=False, param_groups=1, implementation=None)
+    return layer_norm_bwd_p.bind(dy, x, rstd, w, centered=False, has_weight=True,
+                                 output_mask=(True, True, False), param_groups=1,
+                                 implementation=None) + [y]
+  args = (_sds((64, 4096), jnp.bfloat16), _sds((1, 4096), F32), _sds((64, 4096), jnp.bfloat16))
+  _assert_pallas(_export_text(f, args, platform), platform)
+
+
+# ----------------------------------------------------------------------------
+# Both kernel sets, interpreted; tiny tiles force chunks, ragged blocks, idle steps.
+
+
+@contextlib.contextmanager
+def _kernels(backend, tiny):
+  """Interprets the ``backend`` ("gpu" / "tpu") kernels, with tiny tiles if asked."""
+  tuning = dict(interpret_backend=backend)
+  if tiny:
+    tuning.update(gpu_max_tile_bwd=256, gpu_max_tile_fwd=256, tpu_block_elems=2048)
+  # The tuning is read when a function is lowered: the tests lower fresh
+  # jax.jit(lambda ...) functions inside, so no compiled function is reused.
+  with config.override(**tuning):
+    yield
+
+
+def _f32(*arrays):
+  return [None if a is None else a.astype(F32) for a in arrays]
+
+
+def _names(mask):
+  """The names of the outputs an output_mask asks for."""
+  return [n for n, on in zip(("dx", "dweight", "dbias"), mask) if on]
+
+
+# Every (backend, tiny tiles, centered) once, with dtype, output mask and the
+# presence of weight rotating alongside.
+LN_RUNS = rotate(list(itertools.product(["gpu", "tpu"], [False, True], [True, False])),
+                 DTYPES, MASKS, [True, True, False])
+
+
+@pytest.mark.parametrize("dtype,mask,has_weight,backend,tiny,centered", LN_RUNS)
+def test_layer_norm_primitives_interpreted(rng, dtype, mask, has_weight, backend, tiny, centered):
+  # 57 rows in 3 parameter groups (param_groups as under vmap), 300 per row:
+  # not a power of two, longer than the tiny tiles, ragged row blocks.
+  m, h, w = 57, 300, 3
+  x = random(rng, (m, h), dtype, scale=2.0, offset=0.5)
+  dy = random(rng, (m, h), dtype)
+  weight = random(rng, (w, h), F32, offset=1.0) if has_weight else None
+  bias = random(rng, (w, h), F32)
+  kw = dict(centered=centered, param_groups=w)
+  with _kernels(backend, tiny):
+    y, *stats = jax.jit(lambda x, *p: layer_norm_fwd_p.bind(
+        x, *p, eps=1e-5, has_weight=has_weight, has_bias=True, implementation="pallas", **kw))(
+            x, *present(weight, bias))
+    outs = jax.jit(lambda dy, x, *r: layer_norm_bwd_p.bind(
+        dy, x, *r, has_weight=has_weight, output_mask=mask, implementation="pallas", **kw))(
+            dy, x, *stats, *present(weight))
+  # The float32 reference before the final rounding: only that rounding may differ.
+  y_ref, *stats_ref = reference.layer_norm_fwd(*_f32(x, weight, bias), eps=1e-5, **kw)
+  assert y.dtype == dtype and len(stats) == 1 + centered
+  assert_close(y, y_ref, dtype, h, "y")
+  for s, s_ref in zip(stats, stats_ref):
+    assert_close(s, s_ref, F32, h, "mean/rstd")
+  refs = reference.layer_norm_bwd(*_f32(dy, x, *stats, *present(weight)),
+                                  has_weight=has_weight, output_mask=mask, **kw)
+  assert len(outs) == len(refs) == sum(mask)
+  for name, out, expected in zip(_names(mask), outs, refs):
+    if name == "dx":
+      assert out.dtype == dtype
+      assert_close(out, expected, dtype, h, name, scale=ref.dx_scale(dy, stats[-1], weight))
+    else:
+      assert out.dtype == F32 and out.shape == (w, h)
+      assert_close(out, expected, F32, m // w, name)
+
+
+# (N, C, HW, group, channels_last, param_groups, tiny tiles): with tiny tiles,
+# ragged chunks of the spatial axis in both layouts and of the channel axis
+# (C/G = 40); with the default tiles, segments fused in one block.
+GN_SHAPES = [
+    (6, 12, 300, 3, False, 2, True),
+    (6, 12, 300, 3, True, 2, True),
+    (2, 40, 3, 1, False, 1, True),
+    (4, 24, 20, 6, False, 1, False),
+    (4, 24, 20, 6, True, 1, False),
+]
+GN_RUNS = rotate([s + (b,) for s in GN_SHAPES for b in ("gpu", "tpu")], DTYPES, MASKS)
+
+
+@pytest.mark.parametrize("dtype,mask,n,c,hw,group,channels_last,w,tiny,backend", GN_RUNS)
+def test_group_norm_primitives_interpreted(rng, dtype, mask, n, c, hw, group, channels_last, w,
+                                           tiny, backend):
+  shape = (n, hw, c) if channels_last else (n, c, hw)
+  x = random(rng, shape, dtype, scale=2.0, offset=-0.3)
+  dy = random(rng, shape, dtype)
+  gamma, beta = random(rng, (w, c), F32, offset=1.0), random(rng, (w, c), F32)
+  kw = dict(group=group, channels_last=channels_last, param_groups=w)
+  with _kernels(backend, tiny):
+    y, mean, rstd = jax.jit(lambda x, g, b: group_norm_fwd_p.bind(
+        x, g, b, eps=1e-5, has_weight=True, has_bias=True, implementation="pallas", **kw))(
+            x, gamma, beta)
+    outs = jax.jit(lambda *a: group_norm_bwd_p.bind(
+        *a, has_gamma=True, output_mask=mask, implementation="pallas", **kw))(
+            dy, x, mean, rstd, gamma)
+  block = c // group * hw
+  y_ref, mean_ref, rstd_ref = reference.group_norm_fwd(*_f32(x, gamma, beta), eps=1e-5, **kw)
+  assert y.dtype == dtype and mean.shape == rstd.shape == (n, group)
+  assert_close(y, y_ref, dtype, block, "y")
+  assert_close(mean, mean_ref, F32, block, "mean")
+  assert_close(rstd, rstd_ref, F32, block, "rstd")
+  refs = reference.group_norm_bwd(*_f32(dy, x, mean, rstd, gamma), has_gamma=True,
+                                  output_mask=mask, **kw)
+  assert len(outs) == len(refs) == sum(mask)
+  for name, out, expected in zip(_names(mask), outs, refs):
+    if name == "dx":
+      assert out.dtype == dtype
+      assert_close(out, expected, dtype, block, name, scale=ref.dx_scale(dy, rstd, gamma))
+    else:
+      assert out.dtype == F32 and out.shape == (w, c)
+      assert_close(out, expected, F32, n // w * hw, name)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_deterministic_across_programs(rng, backend):
+  # Uneven rows per program and tiny tiles; four runs, bitwise equal.
+  x, dy = random(rng, (301, 300), F32), random(rng, (301, 300), F32)
+  stats = reference.layer_norm_fwd(x, eps=1e-5, centered=True, param_groups=1)[1:]
+  with _kernels(backend, tiny=True):
+    f = jax.jit(lambda *a: layer_norm_bwd_p.bind(
+        *a, centered=True, has_weight=False, output_mask=(True, True, True), param_groups=1,
+        implementation="pallas"))
+    first = [np.asarray(o) for o in f(dy, x, *stats)]
+    for _ in range(3):
+      for a, b in zip(first, f(dy, x, *stats)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_vmap_with_batched_weight_matches_xla(rng):
+  # vmap of the layers with batched parameters: param_groups = 3 in the kernels.
+  cases = [
+      (jn.layer_norm, (3, 10, 130), 130),
+      (lambda x, w, b, **k: jn.group_norm(x, 4, w, b, channel_axis=-1, **k), (3, 2, 5, 5, 12), 75),
+  ]
+  for norm, shape, reduced in cases:
+    x, ct = random(rng, shape, F32), random(rng, shape, F32)
+    w, b = random(rng, (3, shape[-1]), F32, offset=1.0), random(rng, (3, shape[-1]), F32)
+    grads = {}
+    for impl in ("pallas", "xla"):
+      loss = lambda x, w, b, ct, impl=impl: jnp.sum(norm(x, w, b, implementation=impl) * ct)
+      grads[impl] = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(x, w, b, ct)
+    for got, want in zip(grads["pallas"], grads["xla"]):
+      assert got.shape == want.shape
+      assert_close(got, want, F32, reduced)
