@@ -201,3 +201,7 @@ class TestLayerNormGradDefault(LayerNormGradTests):
 
 class TestLayerNormGradXla(LayerNormGradTests):
   implementation = "xla"
+
+
+class TestLayerNormGradPallas(LayerNormGradTests):
+  implementation = "pallas"

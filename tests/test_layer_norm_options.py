@@ -126,3 +126,7 @@ class TestLayerNormOptionsDefault(LayerNormOptionTests):
 
 class TestLayerNormOptionsXla(LayerNormOptionTests):
   implementation = "xla"
+
+
+class TestLayerNormOptionsPallas(LayerNormOptionTests):
+  implementation = "pallas"

@@ -103,10 +103,11 @@ def test_vmap_with_batched_parameters_lowers_to_pallas(platform):
 def test_rms_norm_primitives_lower_to_pallas(platform):
   def f(x, w, dy):
     y, rstd = layer_norm_fwd_p.bind(x, w, eps=1e-6, centered=False, has_weight=True,
-                                    has_bias=False, param_groups=1, implementation=None)
+                                    has_bias=False, param_groups=1, write_xhat=False,
+                                    implementation=None)
     return layer_norm_bwd_p.bind(dy, x, rstd, w, centered=False, has_weight=True,
                                  output_mask=(True, True, False), param_groups=1,
-                                 implementation=None) + [y]
+                                 normalized=False, write_xhat=False, implementation=None) + [y]
   args = (_sds((64, 4096), jnp.bfloat16), _sds((1, 4096), F32), _sds((64, 4096), jnp.bfloat16))
   _assert_pallas(_export_text(f, args, platform), platform)
 
@@ -154,10 +155,12 @@ def test_layer_norm_primitives_interpreted(rng, dtype, mask, has_weight, backend
   kw = dict(centered=centered, param_groups=w)
   with _kernels(backend, tiny):
     y, *stats = jax.jit(lambda x, *p: layer_norm_fwd_p.bind(
-        x, *p, eps=1e-5, has_weight=has_weight, has_bias=True, implementation="pallas", **kw))(
+        x, *p, eps=1e-5, has_weight=has_weight, has_bias=True, write_xhat=False,
+        implementation="pallas", **kw))(
             x, *present(weight, bias))
     outs = jax.jit(lambda dy, x, *r: layer_norm_bwd_p.bind(
-        dy, x, *r, has_weight=has_weight, output_mask=mask, implementation="pallas", **kw))(
+        dy, x, *r, has_weight=has_weight, output_mask=mask, normalized=False, write_xhat=False,
+        implementation="pallas", **kw))(
             dy, x, *stats, *present(weight))
   # The float32 reference before the final rounding: only that rounding may differ.
   y_ref, *stats_ref = reference.layer_norm_fwd(*_f32(x, weight, bias), eps=1e-5, **kw)
@@ -231,7 +234,7 @@ def test_deterministic_across_programs(rng, backend):
   with _kernels(backend, tiny=True):
     f = jax.jit(lambda *a: layer_norm_bwd_p.bind(
         *a, centered=True, has_weight=False, output_mask=(True, True, True), param_groups=1,
-        implementation="pallas"))
+        normalized=False, write_xhat=False, implementation="pallas"))
     first = [np.asarray(o) for o in f(dy, x, *stats)]
     for _ in range(3):
       for a, b in zip(first, f(dy, x, *stats)):

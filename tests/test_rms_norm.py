@@ -162,3 +162,7 @@ class TestRmsNormDefault(RmsNormTests):
 
 class TestRmsNormXla(RmsNormTests):
   implementation = "xla"
+
+
+class TestRmsNormPallas(RmsNormTests):
+  implementation = "pallas"

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
+from jax_normgrad import reference
 from jax_normgrad.pallas import common
+
+F32 = jnp.float32
 
 
 def _rows(x, centered, param_groups):
@@ -10,8 +15,22 @@ def _rows(x, centered, param_groups):
   return common.Segments("rows", m, 1, h, groups=1, param_groups=param_groups, centered=centered)
 
 
-def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups, interpret):
-  """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``.
+def _xhat(x, mean, rstd):
+  """xhat = (x - mean) * rstd in x's dtype, as an XLA elementwise fusion.
+
+  The Pallas kernels do not write xhat themselves; the AscendC
+  ``res_for_gamma`` and ``layer_norm(save="normalized")`` paths that ask for it
+  pay one extra elementwise pass on GPU/TPU.
+  """
+  x32 = x.astype(F32)
+  if mean is not None:
+    x32 = x32 - mean[:, None]
+  return (x32 * rstd[:, None]).astype(x.dtype)
+
+
+def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
+                   interpret):
+  """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``, then xhat if asked.
 
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
   ``rstd = 1 / sqrt(sum((x - mean)^2) / H + eps)``,
@@ -21,23 +40,42 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
   seg = _rows(x, centered, param_groups)
   y, mean, rstd = common.forward(seg, x.reshape(seg.n, 1, seg.b), weight, bias, eps=eps,
                                  interpret=interpret)
-  stats = [mean, rstd] if centered else [rstd]
-  return [y.reshape(x.shape)] + [s.reshape(seg.n) for s in stats]
+  mean = mean.reshape(seg.n) if centered else None
+  rstd = rstd.reshape(seg.n)
+  outs = [y.reshape(x.shape)] + ([mean, rstd] if centered else [rstd])
+  return outs + ([_xhat(x, mean, rstd)] if write_xhat else [])
 
 
-def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups, interpret):
-  """The ``output_mask``'ed of ``[dx, dweight, dbias]`` (see ``reference.layer_norm_bwd``).
+def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
+                   write_xhat, interpret):
+  """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
 
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row (no
   ``mean(g)`` for RMSNorm), ``g = dy * weight``; ``dweight = sum_rows dy * xhat``,
   ``dbias = sum_rows dy``, per parameter group, float32.
+
+  ``normalized``: x holds xhat already (no mean operand; rstd, present only when
+  dx is asked for, scales dx alone). The kernel then runs with mean 0 and rstd
+  1, which reproduces xhat exactly, and dx is scaled by rstd in an XLA fusion.
   """
-  mean, rstd, weight = common.unpack(rest, centered, True, has_weight)
   mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
+  m = x.shape[0]
+  mean, rstd, weight = reference.split_ln_bwd_operands(rest, centered, has_weight, normalized)
+  kernel_rstd = rstd
+  kx, kdy = x, dy
+  if normalized:
+    mean, kernel_rstd = (jnp.zeros((m,), F32) if centered else None), jnp.ones((m,), F32)
+    if mask[0] and x.dtype != F32:
+      kx, kdy = x.astype(F32), dy.astype(F32)
   seg = _rows(x, centered, param_groups)
   view = (seg.n, 1, seg.b)
-  outs = common.backward(seg, dy.reshape(view), x.reshape(view),
-                         None if mean is None else mean.reshape(seg.n, 1), rstd.reshape(seg.n, 1),
-                         weight, mask, interpret=interpret)
+  outs = common.backward(seg, kdy.reshape(view), kx.reshape(view),
+                         None if mean is None else mean.reshape(seg.n, 1),
+                         kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret)
   dx = None if outs[0] is None else outs[0].reshape(x.shape)
-  return [o for o, m in zip((dx,) + tuple(outs[1:]), mask) if m]
+  if dx is not None and normalized:
+    dx = (dx.astype(F32) * rstd[:, None]).astype(x.dtype)
+  result = [o for o, m_ in zip((dx,) + tuple(outs[1:]), mask) if m_]
+  if write_xhat:
+    result.append(x if normalized else _xhat(x, mean, rstd))
+  return result
