@@ -1,8 +1,10 @@
-"""jax_normgrad: fast, exact LayerNorm / GroupNorm backward passes for JAX.
+"""jax_normgrad: fast, exact LayerNorm / GroupNorm / RMSNorm backward passes for JAX.
 
 Each op is a JAX primitive whose default lowering is a compiled kernel (the
 C++ XLA FFI custom call on CPU); ``implementation="xla"`` selects the
-pure-JAX reference. See README.md for the API table.
+pure-JAX reference. The primitives differentiate to any order (their JVPs
+are the reference's), so ``grad(grad)``, ``jax.hessian`` and ``jvp(grad)``
+work through the layers. See README.md for the API table.
 """
 
 import pkgutil
@@ -17,6 +19,9 @@ from jax_normgrad._implementation import FallbackWarning  # noqa: E402
 from jax_normgrad._validation import IMPLEMENTATIONS, SUPPORTED_DTYPES
 from jax_normgrad.ops.group_norm import group_norm, group_norm_backward, group_norm_fwd
 from jax_normgrad.ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_fwd
+from jax_normgrad.ops.layer_norm_grad import (layer_norm_backward_from_normalized, layer_norm_grad,
+                                              layer_norm_grad_beta)
+from jax_normgrad.ops.rms_norm import rms_norm, rms_norm_backward, rms_norm_fwd
 
 __version__ = "0.1.0"
 
@@ -29,5 +34,11 @@ __all__ = [
     "group_norm_fwd",
     "layer_norm",
     "layer_norm_backward",
+    "layer_norm_backward_from_normalized",
     "layer_norm_fwd",
+    "layer_norm_grad",
+    "layer_norm_grad_beta",
+    "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_fwd",
 ]

@@ -107,15 +107,41 @@ def check_int(name: str, value: Any, minimum: int) -> int:
   return value
 
 
-def check_eps(eps: Any, name: str = "eps") -> float:
-  if isinstance(eps, jax.core.Tracer):
+def _static_float(name: str, value: Any) -> float:
+  if isinstance(value, jax.core.Tracer):
     raise TypeError(f"{name}: expected a static Python float, got a traced value")
-  if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating, np.integer)):
-    raise TypeError(f"{name}: expected a float, got {type(eps).__name__}")
-  eps = float(eps)
+  if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+    raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+  return float(value)
+
+
+def check_eps(eps: Any, name: str = "eps") -> float:
+  eps = _static_float(name, eps)
   if not math.isfinite(eps) or eps < 0:
     raise ValueError(f"{name}: expected a finite float >= 0, got {eps}")
   return eps
+
+
+def check_scale_offset(scale_offset: Any, weight: jax.Array | None) -> float:
+  """A static finite float; non-zero only with a weight (it shifts the weight)."""
+  offset = _static_float("scale_offset", scale_offset)
+  if not math.isfinite(offset):
+    raise ValueError(f"scale_offset: expected a finite float, got {offset}")
+  if offset != 0.0 and weight is None:
+    raise ValueError(
+        f"scale_offset: expected 0.0 without a weight (the offset is added to the weight), "
+        f"got {offset} with weight=None")
+  return offset
+
+
+#: What the differentiable LayerNorm may save for its backward.
+SAVE_MODES = ("input", "normalized")
+
+
+def check_save(save: Any) -> str:
+  if save not in SAVE_MODES:
+    raise ValueError(f"save: expected one of {SAVE_MODES}, got {save!r}")
+  return save
 
 
 def check_output_mask(output_mask: Any, length: int = 3) -> tuple[bool, ...]:
@@ -138,14 +164,16 @@ def check_implementation(implementation: Any) -> str | None:
   return implementation
 
 
-def normalized_shape_of(normalized_shape: Any, x: jax.Array, name: str = "normalized_shape") -> tuple[int, ...]:
+def normalized_shape_of(normalized_shape: Any, x: jax.Array, name: str = "normalized_shape",
+                        x_name: str = "x") -> tuple[int, ...]:
   """Checks ``normalized_shape`` against x: non-empty, trailing dims of x.
 
-  ``None`` means ``x.shape[-1:]``; an int means ``(int,)``.
+  ``None`` means ``x.shape[-1:]``; an int means ``(int,)``. ``x_name`` names
+  x in the messages.
   """
   if normalized_shape is None:
     if x.ndim < 1:
-      raise ValueError(f"x: expected at least 1 dimension, got shape {tuple(x.shape)}")
+      raise ValueError(f"{x_name}: expected at least 1 dimension, got shape {tuple(x.shape)}")
     return tuple(x.shape[-1:])
   if isinstance(normalized_shape, (numbers.Integral, np.integer)) and not isinstance(normalized_shape, bool):
     shape = (int(normalized_shape),)
@@ -161,12 +189,28 @@ def normalized_shape_of(normalized_shape: Any, x: jax.Array, name: str = "normal
     raise ValueError(f"{name}: expected at least 1 dimension, got {shape}")
   if x.ndim < len(shape):
     raise ValueError(
-        f"x: expected at least {len(shape)} dimensions (len({name})), got shape {tuple(x.shape)}")
+        f"{x_name}: expected at least {len(shape)} dimensions (len({name})), got shape "
+        f"{tuple(x.shape)}")
   if tuple(x.shape[x.ndim - len(shape):]) != shape:
     raise ValueError(
-        f"x: trailing dimensions {tuple(x.shape[x.ndim - len(shape):])} do not match "
+        f"{x_name}: trailing dimensions {tuple(x.shape[x.ndim - len(shape):])} do not match "
         f"{name} {shape}")
   return shape
+
+
+def check_row_stats_shape(name: str, stats: jax.Array, x_name: str, x: jax.Array) -> None:
+  """Per-row statistics over x's last axis: shape ``x.shape[:-1]`` or ``x.shape[:-1] + (1,)``."""
+  lead = tuple(x.shape[:-1])
+  if tuple(stats.shape) not in (lead, lead + (1,)):
+    raise ValueError(
+        f"{name}: expected shape {lead} or {lead + (1,)} ({x_name}.shape[:-1], one per row), "
+        f"got {tuple(stats.shape)}")
+
+
+def check_same_shape(name: str, arr: jax.Array, ref_name: str, ref: jax.Array) -> None:
+  if arr.shape != ref.shape:
+    raise ValueError(
+        f"{name}: expected shape {tuple(ref.shape)} (the shape of {ref_name}), got {tuple(arr.shape)}")
 
 
 def check_positive_size(name: str, size: int, what: str) -> None:

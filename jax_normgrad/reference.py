@@ -29,8 +29,8 @@ def _grouped(a, groups):
 # LayerNorm (centered=True) and RMSNorm (centered=False)
 
 
-def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups):
-  """Returns ``[y, mean, rstd]`` (``[y, rstd]`` when not centered)."""
+def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, write_xhat=False):
+  """Returns ``[y, mean, rstd]`` (``[y, rstd]`` when not centered), then ``xhat`` if ``write_xhat``."""
   m, h = x.shape
   x32 = x.astype(F32)
   if centered:
@@ -40,31 +40,48 @@ def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups):
     mean = None
     xc = x32
   rstd = 1.0 / jnp.sqrt(jnp.mean(xc * xc, axis=1) + jnp.float32(eps))
-  y = _grouped(xc * rstd[:, None], param_groups)
+  xhat = xc * rstd[:, None]
+  y = _grouped(xhat, param_groups)
   if weight is not None:
     y = y * weight[:, None, :]
   if bias is not None:
     y = y + bias[:, None, :]
   y = y.reshape(m, h).astype(x.dtype)
-  return [y, mean, rstd] if centered else [y, rstd]
+  outs = [y, mean, rstd] if centered else [y, rstd]
+  return outs + [xhat.astype(x.dtype)] if write_xhat else outs
 
 
-def layer_norm_bwd(dy, x, *stats_and_weight, centered, has_weight, output_mask, param_groups):
-  """Returns the outputs of ``output_mask`` among ``[dx, dweight, dbias]``.
+def split_ln_bwd_operands(rest, centered, has_weight, normalized):
+  """(mean | None, rstd, weight | None) from the backward's operands after (dy, x)."""
+  rest = list(rest)
+  weight = rest.pop() if has_weight else None
+  mean = rest.pop(0) if centered and not normalized else None
+  (rstd,) = rest
+  return mean, rstd, weight
+
+
+def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups,
+                   normalized=False, write_xhat=False):
+  """Returns the outputs of ``output_mask`` among ``[dx, dweight, dbias]``, then ``xhat`` if ``write_xhat``.
 
   ``xhat = (x - mean) * rstd``, ``g = dy * weight``,
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (no ``mean(g)`` when
   not centered), ``dweight = sum_rows dy * xhat``, ``dbias = sum_rows dy``.
+  ``normalized``: ``x`` is ``xhat`` already (no ``mean`` operand) and ``rstd``
+  only scales ``dx`` (it is empty when ``dx`` is masked out).
   """
-  stats = list(stats_and_weight)
-  weight = stats.pop() if has_weight else None
-  mean, rstd = (stats if centered else [None] + stats)
+  mean, rstd, weight = split_ln_bwd_operands(rest, centered, has_weight, normalized)
   m, h = x.shape
   w = param_groups
   dy32 = _grouped(dy.astype(F32), w)
   x32 = _grouped(x.astype(F32), w)
-  rstd_g = _grouped(rstd.astype(F32), w)[..., None]
-  xhat = (x32 - _grouped(mean.astype(F32), w)[..., None]) * rstd_g if centered else x32 * rstd_g
+  rstd_g = _grouped(rstd.astype(F32), w)[..., None] if output_mask[0] or not normalized else None
+  if normalized:
+    xhat = x32
+  elif centered:
+    xhat = (x32 - _grouped(mean.astype(F32), w)[..., None]) * rstd_g
+  else:
+    xhat = x32 * rstd_g
   outs = []
   if output_mask[0]:
     g = dy32 * weight[:, None, :] if weight is not None else dy32
@@ -77,6 +94,8 @@ def layer_norm_bwd(dy, x, *stats_and_weight, centered, has_weight, output_mask, 
     outs.append(jnp.sum(dy32 * xhat, axis=1))
   if len(output_mask) > 2 and output_mask[2]:
     outs.append(jnp.sum(dy32, axis=1))
+  if write_xhat:
+    outs.append(xhat.reshape(m, h).astype(x.dtype))
   return outs
 
 

@@ -97,3 +97,69 @@ def dx_scale(dy, rstd, weight=None):
   if weight is not None:
     g = g * np.max(np.abs(f64(weight)))
   return float(np.max(np.abs(f64(rstd))) * np.max(g))
+
+
+# ----------------------------------------------------------------------------
+# The vendors' other forms of the LayerNorm backward, and RMSNorm.
+
+
+def ln_grad_seed(dy, x, variance, mean, gamma, eps):
+  """AscendC LayerNormGrad, the seed's step-by-step formula (pd_var, pd_mean), over the last axis.
+
+  Returns (pd_x, res_for_gamma). ``variance``/``mean`` have one entry per row.
+  """
+  dy, x = f64(dy), f64(x)
+  h = x.shape[-1]
+  stat_shape = x.shape[:-1] + (1,)
+  variance = f64(variance).reshape(stat_shape)
+  mean = f64(mean).reshape(stat_shape)
+  pd_xl = dy * f64(gamma) if gamma is not None else dy
+  d = x - mean
+  pd_var = np.sum((-0.5) * pd_xl * d * np.power(variance + eps, -1.5), axis=-1, keepdims=True)
+  pd_mean = (np.sum((-1.0) * pd_xl * np.power(variance + eps, -0.5), axis=-1, keepdims=True)
+             + pd_var * (1.0 / h) * np.sum((-2.0) * d, axis=-1, keepdims=True))
+  pd_x = pd_xl * np.power(variance + eps, -0.5) + pd_var * (2.0 / h) * d + pd_mean * (1.0 / h)
+  res_for_gamma = d * np.power(variance + eps, -0.5)
+  return pd_x, res_for_gamma
+
+
+def ln_grad_beta_seed(dy, res_for_gamma, norm_ndim):
+  """AscendC LayerNormGradBeta: (sum dy * res_for_gamma, sum dy) over the leading dims."""
+  dy, res = f64(dy), f64(res_for_gamma)
+  lead_axes = tuple(range(dy.ndim - norm_ndim))
+  return (dy * res).sum(axis=lead_axes), dy.sum(axis=lead_axes)
+
+
+def ln_bwd_from_normalized(grad_output, weight, xhat, std):
+  """InfiniOp LayerNormBackward from xhat and std = sqrt(var + eps), over the last axis.
+
+  grad_input = (g - mean(g) - xhat mean(g xhat)) / std, g = grad_output * weight;
+  grad_weight = sum grad_output * xhat; grad_bias = sum grad_output.
+  """
+  dy, xhat = f64(grad_output), f64(xhat)
+  std = f64(std).reshape(xhat.shape[:-1] + (1,))
+  g = dy * f64(weight) if weight is not None else dy
+  lead_axes = tuple(range(dy.ndim - 1))
+  if dy.size:
+    dx = (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True)) / std
+  else:
+    dx = np.zeros_like(dy)
+  return dx, (dy * xhat).sum(axis=lead_axes), dy.sum(axis=lead_axes)
+
+
+def rms_fwd(x, norm_ndim, weight=None, eps=1e-6):
+  """y = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps); rstd of shape A + (1,)*len(R)."""
+  _, rstd = ln_stats(x, norm_ndim, eps, centered=False)
+  y = f64(x) * rstd
+  return (y * f64(weight) if weight is not None else y), rstd
+
+
+def rms_bwd(dy, x, norm_ndim, rstd, weight=None):
+  """dx = rstd (g - xhat mean(g xhat)), xhat = x rstd; dweight = sum dy xhat."""
+  dy, x = f64(dy), f64(x)
+  rstd = f64(rstd).reshape(x.shape[:x.ndim - norm_ndim] + (1,) * norm_ndim)
+  axes = tuple(range(x.ndim - norm_ndim, x.ndim))
+  xhat = x * rstd
+  g = dy * f64(weight) if weight is not None else dy
+  dx = rstd * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True)) if x.size else np.zeros_like(x)
+  return dx, (dy * xhat).sum(axis=tuple(range(x.ndim - norm_ndim)))

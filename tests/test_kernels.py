@@ -82,26 +82,29 @@ def _sds(shape, dtype=jnp.float32):
 
 BAD_FFI_CALLS = [
     # rstd of the wrong length.
-    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8))],
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8)), _sds((0,))],
      (np.ones((4, 8), np.float32), np.ones((4, 8), np.float32), np.ones(4, np.float32),
       np.ones(3, np.float32), None),
      dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
-          compute_dbias=True, centered=True), "rstd"),
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False), "rstd"),
     # dy of another dtype than x.
-    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8))],
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8)), _sds((0,))],
      (np.ones((4, 8), np.float16), np.ones((4, 8), np.float32), np.ones(4, np.float32),
       np.ones(4, np.float32), None),
      dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
-          compute_dbias=True, centered=True), "grad_out"),
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False), "grad_out"),
     # param_groups that does not divide the rows.
-    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8)), _sds((4,)), _sds((4,))],
+    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8)), _sds((4,)), _sds((4,)), _sds((0,))],
      (np.ones((4, 8), np.float32), None, None),
-     dict(eps=1e-5, param_groups=3, has_weight=False, has_bias=False, centered=True),
+     dict(eps=1e-5, param_groups=3, has_weight=False, has_bias=False, centered=True,
+          write_xhat=False),
      "param_groups"),
     # integer x.
-    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.int32), _sds((4,)), _sds((4,))],
+    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.int32), _sds((4,)), _sds((4,)),
+                                     _sds((0,), jnp.int32)],
      (np.ones((4, 8), np.int32), None, None),
-     dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True),
+     dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True,
+          write_xhat=False),
      "unsupported dtype"),
     # group that does not divide C.
     ("jax_normgrad_group_norm_bwd", [_sds((2, 6, 5)), _sds((1, 6)), _sds((1, 6))],

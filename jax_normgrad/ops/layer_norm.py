@@ -1,15 +1,16 @@
-"""LayerNorm: the differentiable layer, the forward with statistics and the backward op."""
+"""LayerNorm: the differentiable layer, the forward with statistics and the backward op (shared with RMSNorm)."""
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jax_normgrad import _validation as v
-from jax_normgrad.ops._common import F32, as_f32, present, unmask
+from jax_normgrad.ops._common import F32, as_f32, as_f32_weight, present, unmask
 from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
 
 
@@ -30,37 +31,64 @@ def _rows_and_width(x, norm_ndim):
   return math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
 
 
-def _fwd(x, weight, bias, norm_ndim, eps, implementation):
-  """Canonical forward: returns y (x.shape) and float32 mean, rstd of shape (M,)."""
+def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scale_offset=0.0,
+         write_xhat=False):
+  """Canonical forward (LayerNorm, or RMSNorm when not ``centered``).
+
+  Returns ``(y, mean, rstd, xhat)``: y with x's shape and dtype; float32
+  ``(M,)`` mean (None when not centered) and rstd; xhat with x's shape and
+  dtype when ``write_xhat``, else None.
+  """
   m, h = _rows_and_width(x, norm_ndim)
-  y, mean, rstd = layer_norm_fwd_p.bind(
-      x.reshape(m, h), *present(as_f32(weight, (1, h)), as_f32(bias, (1, h))), eps=eps,
-      centered=True, has_weight=weight is not None, has_bias=bias is not None, param_groups=1,
-      implementation=implementation)
-  return y.reshape(x.shape), mean, rstd
+  outs = list(layer_norm_fwd_p.bind(
+      x.reshape(m, h),
+      *present(as_f32_weight(weight, (1, h), scale_offset), as_f32(bias, (1, h))), eps=eps,
+      centered=centered, has_weight=weight is not None, has_bias=bias is not None,
+      param_groups=1, write_xhat=write_xhat, implementation=implementation))
+  y = outs.pop(0).reshape(x.shape)
+  mean = outs.pop(0) if centered else None
+  rstd = outs.pop(0)
+  xhat = outs.pop(0).reshape(x.shape) if write_xhat else None
+  return y, mean, rstd, xhat
 
 
-def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation):
-  """Canonical backward: float32 (M,) statistics; returns masked (dx, dweight, dbias) in float32 / x dtype."""
+def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, centered=True,
+         scale_offset=0.0, normalized=False, write_xhat=False):
+  """Canonical backward on the backward kernel, every LayerNorm / RMSNorm form of it.
+
+  ``mean``/``rstd``: any shape with M elements (``mean`` ignored when not
+  centered or ``normalized``). ``normalized``: ``x`` is xhat and ``rstd`` only
+  scales grad_input (it may be None when ``output_mask[0]`` is False).
+  Returns the masked ``(dx, dweight, dbias)``, dx with x's shape and dtype,
+  the parameter gradients float32 with the normalized shape; then xhat (x's
+  shape and dtype) when ``write_xhat``.
+  """
   norm_shape = x.shape[x.ndim - norm_ndim:]
   m, h = _rows_and_width(x, norm_ndim)
+  output_mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
+  stats = [as_f32(mean, (m,))] if centered and not normalized else []
+  # An unused rstd travels as an empty operand (the kernel checks it is one).
+  stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, (m,)))
   outs = layer_norm_bwd_p.bind(
-      dy.reshape(m, h), x.reshape(m, h), as_f32(mean, (m,)), as_f32(rstd, (m,)),
-      *present(as_f32(weight, (1, h))), centered=True, has_weight=weight is not None,
-      output_mask=output_mask, param_groups=1, implementation=implementation)
-  return unmask(outs, output_mask, (lambda a: a.reshape(x.shape),
-                                    lambda a: a.reshape(norm_shape),
-                                    lambda a: a.reshape(norm_shape)))
+      dy.reshape(m, h), x.reshape(m, h), *stats,
+      *present(as_f32_weight(weight, (1, h), scale_offset)), centered=centered,
+      has_weight=weight is not None, output_mask=output_mask, param_groups=1,
+      normalized=normalized, write_xhat=write_xhat, implementation=implementation)
+  to_x = lambda a: a.reshape(x.shape)
+  to_param = lambda a: a.reshape(norm_shape)
+  outs = unmask(outs, output_mask + (True,) * write_xhat, (to_x, to_param, to_param, to_x))
+  return outs
 
 
-def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, implementation=None):
+def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, scale_offset=0.0,
+                   implementation=None):
   """LayerNorm forward that also returns the statistics the backward needs.
 
   Over the trailing dims ``R = normalized_shape`` of ``x`` (shape ``A + R``),
   per row of ``H = prod(R)`` elements, in float32::
 
       mean = sum(x) / H,  var = sum((x - mean)^2) / H,  rstd = 1 / sqrt(var + eps)
-      y = (x - mean) * rstd * weight + bias
+      y = (x - mean) * rstd * (weight + scale_offset) + bias
 
   Args:
     x: float32, float16 or bfloat16 array of shape ``A + R``.
@@ -68,6 +96,8 @@ def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, imp
     weight, bias: optional, shape ``R``, in x's dtype or float32, the same dtype
       when both are given.
     eps: float >= 0 added to the variance.
+    scale_offset: static float added to ``weight`` in float32 (``1.0`` for
+      Gemma-style zero-centered weights); must be 0 without a weight.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -83,18 +113,36 @@ def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, imp
   v.check_positive_size("normalized_shape", math.prod(norm_shape), "number of elements")
   weight, bias = _check_params(weight, bias, x, norm_shape)
   eps = v.check_eps(eps)
+  scale_offset = v.check_scale_offset(scale_offset, weight)
   implementation = v.check_implementation(implementation)
-  y, mean, rstd = _fwd(x, weight, bias, len(norm_shape), eps, implementation)
-  stats_shape = x.shape[:x.ndim - len(norm_shape)] + (1,) * len(norm_shape)
+  y, mean, rstd, _ = _fwd(x, weight, bias, len(norm_shape), eps, implementation,
+                          scale_offset=scale_offset)
+  stats_shape = _stats_shape(x, len(norm_shape))
   return y, mean.reshape(stats_shape), rstd.reshape(stats_shape)
 
 
+def _stats_shape(x, norm_ndim):
+  """``A + (1,) * len(R)``: the statistics' shape, broadcastable against x."""
+  return x.shape[:x.ndim - norm_ndim] + (1,) * norm_ndim
+
+
+def _check_stats(names_and_stats, x, rows):
+  """Statistics: ``rows`` elements in any shape, float32 or x's dtype, all of one dtype."""
+  first_name, first = names_and_stats[0]
+  for name, s in names_and_stats:
+    v.check_stats_dtype(name, s, x)
+    v.check_size(name, s, rows, "the product of x's leading, non-normalized dims")
+    v.check_same_dtype(name, s, first_name, first)
+
+
 def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight=None, bias=None,
-                        output_mask=(True, True, True), *, implementation=None):
+                        output_mask=(True, True, True), *, scale_offset=0.0,
+                        implementation=None):
   """LayerNorm backward (aclnnLayerNormBackward semantics).
 
-  With ``xhat = (x - mean) * rstd`` and ``g = grad_out * weight`` (weight
-  absent: ones), per row of ``H = prod(normalized_shape)`` elements::
+  With ``xhat = (x - mean) * rstd`` and ``g = grad_out * (weight +
+  scale_offset)`` (weight absent: ones), per row of ``H =
+  prod(normalized_shape)`` elements::
 
       grad_input  = rstd * (g - mean(g) - xhat * mean(g * xhat))
       grad_weight = sum over rows of grad_out * xhat
@@ -113,6 +161,8 @@ def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight=None, 
       the parameter gradients when weight is absent).
     output_mask: three bools: which of (grad_input, grad_weight, grad_bias) to
       compute. Masked outputs are returned as None and not computed.
+    scale_offset: static float the forward added to ``weight`` (see
+      :func:`layer_norm_fwd`); grad_weight does not depend on it.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -132,60 +182,95 @@ def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight=None, 
   v.check_shape("grad_out", grad_out, x.shape, "x.shape")
   norm_shape = v.normalized_shape_of(normalized_shape, x)
   rows = math.prod(x.shape[:x.ndim - len(norm_shape)])
-  for name, s in (("mean", mean), ("rstd", rstd)):
-    v.check_stats_dtype(name, s, x)
-    v.check_size(name, s, rows, "the product of x's leading, non-normalized dims")
-  v.check_same_dtype("rstd", rstd, "mean", mean)
+  _check_stats((("mean", mean), ("rstd", rstd)), x, rows)
   weight, bias = _check_params(weight, bias, x, norm_shape)
   mask = v.check_output_mask(output_mask)
+  scale_offset = v.check_scale_offset(scale_offset, weight)
   implementation = v.check_implementation(implementation)
   pdtype = v.param_grad_dtype(weight, bias, x)
   if not any(mask):
     return (None, None, None)
-  dx, dw, db = _bwd(grad_out, x, mean, rstd, weight, mask, len(norm_shape), implementation)
+  dx, dw, db = _bwd(grad_out, x, mean, rstd, weight, mask, len(norm_shape), implementation,
+                    scale_offset=scale_offset)
   cast = lambda a: None if a is None else a.astype(pdtype)
   return dx, cast(dw), cast(db)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _layer_norm(x, weight, bias, norm_ndim, eps, implementation):
-  return _fwd(x, weight, bias, norm_ndim, eps, implementation)[0]
+# ----------------------------------------------------------------------------
+# The differentiable layer, shared by layer_norm and rms_norm.
 
 
-def _layer_norm_vjp_fwd(x, weight, bias, norm_ndim, eps, implementation):
-  y, mean, rstd = _fwd(x, weight, bias, norm_ndim, eps, implementation)
-  # Residuals: x in its own dtype, float32 (M,) statistics, and the small
+class _LayerConfig(NamedTuple):
+  """The static configuration of one normalization layer call."""
+  norm_ndim: int
+  eps: float
+  centered: bool  # False: RMSNorm.
+  scale_offset: float
+  save: str  # "input": x, mean, rstd; "normalized": xhat, rstd.
+  implementation: str | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _norm_layer(x, weight, bias, cfg):
+  return _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation, centered=cfg.centered,
+              scale_offset=cfg.scale_offset)[0]
+
+
+def _norm_layer_fwd(x, weight, bias, cfg):
+  normalized = cfg.save == "normalized"
+  # Without weight and bias y is xhat, bit for bit: save it instead of a copy.
+  write_xhat = normalized and (weight is not None or bias is not None)
+  y, mean, rstd, xhat = _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation,
+                             centered=cfg.centered, scale_offset=cfg.scale_offset,
+                             write_xhat=write_xhat)
+  # Residuals: x or xhat in x's dtype, float32 (M,) statistics and the small
   # parameters; no float32 copy of anything tensor-sized.
+  if normalized:
+    return y, (y if xhat is None else xhat, None, rstd, weight, bias)
   return y, (x, mean, rstd, weight, bias)
 
 
-def _layer_norm_vjp_bwd(norm_ndim, eps, implementation, res, dy):
-  del eps
-  x, mean, rstd, weight, bias = res
+def _norm_layer_bwd(cfg, res, dy):
+  x_or_xhat, mean, rstd, weight, bias = res
   mask = (True, weight is not None, bias is not None)
-  dx, dw, db = _bwd(dy, x, mean, rstd, weight, mask, norm_ndim, implementation)
+  dx, dw, db = _bwd(dy, x_or_xhat, mean, rstd, weight, mask, cfg.norm_ndim, cfg.implementation,
+                    centered=cfg.centered, scale_offset=cfg.scale_offset,
+                    normalized=cfg.save == "normalized")
   dw = None if dw is None else dw.astype(weight.dtype)
   db = None if db is None else db.astype(bias.dtype)
   return dx, dw, db
 
 
-_layer_norm.defvjp(_layer_norm_vjp_fwd, _layer_norm_vjp_bwd)
+_norm_layer.defvjp(_norm_layer_fwd, _norm_layer_bwd)
 
 
-def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, implementation=None):
+def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, scale_offset=0.0,
+               save="input", implementation=None):
   """Differentiable LayerNorm whose backward runs the backward kernel.
 
-  ``y = (x - mean) * rstd * weight + bias`` over the trailing dims
-  ``normalized_shape`` (see :func:`layer_norm_fwd`). Under ``jax.grad`` the
-  backward is :func:`layer_norm_backward`'s kernel; works under ``jit``,
-  ``vmap`` (any ``in_axes``, batched weight included) and nested ``vmap``.
-  The forward saves only x, float32 mean/rstd and the parameters.
+  ``y = (x - mean) * rstd * (weight + scale_offset) + bias`` over the
+  trailing dims ``normalized_shape`` (see :func:`layer_norm_fwd`). Under
+  ``jax.grad`` the backward is :func:`layer_norm_backward`'s kernel; works
+  under ``jit``, ``vmap`` (any ``in_axes``, batched weight included), nested
+  ``vmap`` and higher-order reverse mode and forward-over-reverse
+  (``grad(grad)``, ``jax.hessian``, ``jvp(grad)``). A first-order ``jax.jvp``
+  of the layer itself is refused by JAX (a ``custom_vjp`` has no forward
+  mode); use :func:`layer_norm_fwd` for that. The gradient of ``weight`` is
+  ``sum dy * xhat`` whatever ``scale_offset``.
 
   Args:
     x: float32, float16 or bfloat16 array.
     weight, bias: optional, shape ``normalized_shape``, x's dtype or float32.
     normalized_shape: int or tuple of x's trailing dims; None: ``x.shape[-1:]``.
     eps: float >= 0.
+    scale_offset: static float added to ``weight`` (``1.0`` for Gemma-style
+      zero-centered weights); must be 0 without a weight.
+    save: what the forward keeps for the backward. ``"input"`` (default):
+      x, float32 mean and rstd. ``"normalized"``: xhat in x's dtype and float32
+      rstd (InfiniOp's form, see :func:`layer_norm_backward_from_normalized`):
+      x need not be kept alive, e.g. when the next layer saves y anyway; with
+      no weight and bias xhat is y itself and costs nothing. The backward then
+      works from the rounded xhat, so 16-bit gradients are a little less exact.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -199,6 +284,7 @@ def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, im
   norm_shape = v.normalized_shape_of(normalized_shape, x)
   v.check_positive_size("normalized_shape", math.prod(norm_shape), "number of elements")
   weight, bias = _check_params(weight, bias, x, norm_shape)
-  eps = v.check_eps(eps)
-  implementation = v.check_implementation(implementation)
-  return _layer_norm(x, weight, bias, len(norm_shape), eps, implementation)
+  cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), True,
+                     v.check_scale_offset(scale_offset, weight), v.check_save(save),
+                     v.check_implementation(implementation))
+  return _norm_layer(x, weight, bias, cfg)

@@ -1,24 +1,60 @@
-"""What every primitive shares: definition boilerplate and the batch-folding vmap rule."""
+"""What every primitive shares: definition boilerplate, the batch-folding vmap rule and the JVP rule."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import batching
+from jax.interpreters import ad, batching
 
 from jax_normgrad import _implementation
 
 
 def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None) -> Primitive:
-  """A multiple-result primitive with eager impl, lowerings and the folding batcher."""
+  """A multiple-result primitive with eager impl, lowerings, the folding batcher and a JVP rule.
+
+  ``xla`` is the primitive's pure-JAX reference: a function of the operands
+  and of the parameters other than ``implementation``. It lowers
+  ``implementation="xla"`` and defines the derivatives (see ``_reference_jvp_rule``).
+  """
   prim = Primitive(name)
   prim.multiple_results = True
   prim.def_abstract_eval(abstract_eval)
   _implementation.def_impl_via_jit(prim)
   _implementation.register_lowerings(prim, xla=xla, ffi=ffi, pallas=pallas)
   batching.primitive_batchers[prim] = _fold_batch_rule(prim)
+  ad.primitive_jvps[prim] = _reference_jvp_rule(prim, xla)
   return prim
+
+
+def _reference_jvp_rule(prim, reference_fn):
+  """JVP: primal outputs from the kernel, tangents from ``jax.jvp`` of the jnp reference.
+
+  The reference computes exactly what the kernels compute, so its JVP is the
+  primitive's. The tangent computation is ordinary jnp code, linear in the
+  tangents: it transposes (reverse mode over it: ``grad(grad)``), batches
+  (``hessian``, ``vmap``) and differentiates again (any order), with no
+  hand-written transpose rule. The kernels keep the primal path, which is
+  what first-order training runs; higher orders pay for jnp tangent code
+  (under ``jit`` XLA drops the reference's unused primal outputs). Operands
+  with a symbolic-zero tangent are closed over, so their derivative terms
+  are never built.
+  """
+
+  def rule(primals, tangents, *, implementation, **params):
+    primal_out = prim.bind(*primals, implementation=implementation, **params)
+    live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+
+    def of_live(*live_args):
+      args = list(primals)
+      for i, a in zip(live, live_args):
+        args[i] = a
+      return reference_fn(*args, **params)
+
+    _, tangent_out = jax.jvp(of_live, [primals[i] for i in live], [tangents[i] for i in live])
+    return primal_out, list(tangent_out)
+
+  return rule
 
 
 def _fold_batch_rule(prim):

@@ -4,6 +4,12 @@ Canonical operands (see ``jax_normgrad.reference``): ``x``, ``dy`` of shape
 ``(M, H)``; ``mean``, ``rstd`` of shape ``(M,)`` float32; ``weight``, ``bias``
 of shape ``(W, H)`` float32, ``W = param_groups``. ``centered=False`` is
 RMSNorm (no mean: no ``mean`` operand or output, no ``mean(g)`` term).
+
+Two flags serve the vendor forms of the backward on the same kernels:
+``write_xhat`` adds ``xhat = (x - mean) * rstd`` (in x's dtype) as a last
+output of either primitive, and ``normalized`` makes the backward read its
+``x`` operand as ``xhat`` (no ``mean`` operand; ``rstd`` only scales ``dx`` and
+is an empty ``(0,)`` array when ``dx`` is masked out).
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ F32 = jnp.float32
 # Forward with statistics: (x, [weight], [bias]) -> (y, [mean], rstd)
 
 
-def _fwd_abstract(x, *params, eps, centered, has_weight, has_bias, param_groups, implementation):
+def _fwd_abstract(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
+                  implementation):
   del params, eps, has_weight, has_bias, param_groups, implementation
   m = x.shape[0]
   stats = [shaped((m,), F32)] * (2 if centered else 1)
-  return [shaped(x.shape, x.dtype)] + stats
+  return [shaped(x.shape, x.dtype)] + stats + ([shaped(x.shape, x.dtype)] if write_xhat else [])
 
 
 def _split_params(params, has_weight, has_bias):
@@ -35,22 +42,23 @@ def _split_params(params, has_weight, has_bias):
   return weight, bias
 
 
-def _fwd_xla(x, *params, eps, centered, has_weight, has_bias, param_groups):
+def _fwd_xla(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat):
   weight, bias = _split_params(params, has_weight, has_bias)
   return reference.layer_norm_fwd(x, weight, bias, eps=eps, centered=centered,
-                                  param_groups=param_groups)
+                                  param_groups=param_groups, write_xhat=write_xhat)
 
 
-def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups):
+def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat):
   weight, bias = _split_params(params, has_weight, has_bias)
   m = x.shape[0]
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype),
                jax.ShapeDtypeStruct((m if centered else 0,), F32),
-               jax.ShapeDtypeStruct((m,), F32)]
-  y, mean, rstd = _ffi.call("jax_normgrad_layer_norm_fwd", out_types, x, weight, bias, eps=eps,
-                            param_groups=param_groups, has_weight=has_weight,
-                            has_bias=has_bias, centered=centered)
-  return [y, mean, rstd] if centered else [y, rstd]
+               jax.ShapeDtypeStruct((m,), F32),
+               jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype)]
+  y, mean, rstd, xhat = _ffi.call("jax_normgrad_layer_norm_fwd", out_types, x, weight, bias,
+                                  eps=eps, param_groups=param_groups, has_weight=has_weight,
+                                  has_bias=has_bias, centered=centered, write_xhat=write_xhat)
+  return [y] + ([mean] if centered else []) + [rstd] + ([xhat] if write_xhat else [])
 
 
 layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
@@ -58,36 +66,42 @@ layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
 
 
 # ----------------------------------------------------------------------------
-# Backward: (dy, x, [mean], rstd, [weight]) -> the output_mask'ed of (dx, dweight, dbias)
+# Backward: (dy, x, [mean], rstd, [weight]) -> the output_mask'ed of (dx, dweight, dbias), [xhat]
 
 
-def _bwd_abstract(dy, x, *rest, centered, has_weight, output_mask, param_groups, implementation):
-  del dy, rest, centered, has_weight, implementation
+def _bwd_abstract(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
+                  write_xhat, implementation):
+  del dy, rest, centered, has_weight, normalized, implementation
   outs = []
   if output_mask[0]:
     outs.append(shaped(x.shape, x.dtype))
   outs += [shaped((param_groups, x.shape[1]), F32)] * sum(output_mask[1:])
+  if write_xhat:
+    outs.append(shaped(x.shape, x.dtype))
   return outs
 
 
-def _bwd_xla(dy, x, *rest, centered, has_weight, output_mask, param_groups):
+def _bwd_xla(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
+             write_xhat):
   return reference.layer_norm_bwd(dy, x, *rest, centered=centered, has_weight=has_weight,
-                                  output_mask=output_mask, param_groups=param_groups)
+                                  output_mask=output_mask, param_groups=param_groups,
+                                  normalized=normalized, write_xhat=write_xhat)
 
 
-def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups):
-  rest = list(rest)
-  weight = rest.pop() if has_weight else None
-  mean, rstd = rest if centered else (None, rest[0])
+def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
+             write_xhat):
+  mean, rstd, weight = reference.split_ln_bwd_operands(rest, centered, has_weight, normalized)
   mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
   h = x.shape[1]
   out_types = [jax.ShapeDtypeStruct(x.shape if mask[0] else (0,), x.dtype),
                jax.ShapeDtypeStruct((param_groups, h) if mask[1] else (0,), F32),
-               jax.ShapeDtypeStruct((param_groups, h) if mask[2] else (0,), F32)]
+               jax.ShapeDtypeStruct((param_groups, h) if mask[2] else (0,), F32),
+               jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype)]
   outs = _ffi.call("jax_normgrad_layer_norm_bwd", out_types, dy, x, mean, rstd, weight,
                    param_groups=param_groups, has_weight=has_weight, compute_dx=mask[0],
-                   compute_dweight=mask[1], compute_dbias=mask[2], centered=centered)
-  return [o for o, m in zip(outs, mask) if m]
+                   compute_dweight=mask[1], compute_dbias=mask[2], centered=centered,
+                   normalized=normalized, write_xhat=write_xhat)
+  return [o for o, m in zip(outs, mask + (write_xhat,)) if m]
 
 
 layer_norm_bwd_p = make_primitive("jax_normgrad_layer_norm_bwd", _bwd_abstract,
