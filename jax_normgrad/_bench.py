@@ -60,6 +60,12 @@ def jnp_group_norm(x, groups, weight, bias, eps=1e-5):
   return (y * weight.reshape(shape) + bias.reshape(shape)).astype(x.dtype)
 
 
+def jnp_rms_norm(x, weight, eps=1e-6):
+  x32 = x.astype(jnp.float32)
+  ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  return (x32 * jax.lax.rsqrt(ms + eps) * weight).astype(x.dtype)
+
+
 @dataclasses.dataclass
 class Workload:
   """One shape: jitted (fn, args) pairs for each measured variant."""
@@ -105,6 +111,30 @@ def layer_norm_workload(rows: int, hidden: int, dtype=jnp.float32, seed: int = 0
       xla_fwd=(jax.jit(jnp_layer_norm), (x, w, b)),
       ours_grad=(grad(ours), (x, w, b, dy)),
       xla_grad=(grad(jnp_layer_norm), (x, w, b, dy)),
+  )
+
+
+def rms_norm_workload(rows: int, hidden: int, dtype=jnp.float32, seed: int = 0) -> Workload:
+  """RMSNorm over the last axis with a weight (no bias: RMSNorm has none)."""
+  k = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(k[0], (rows, hidden), jnp.float32).astype(dtype)
+  dy = jax.random.normal(k[1], (rows, hidden), jnp.float32).astype(dtype)
+  w = (1 + 0.1 * jax.random.normal(k[2], (hidden,))).astype(dtype)
+  _, rstd = jn.rms_norm_fwd(x, hidden, w)
+  ours_bwd = jax.jit(lambda dy, x, r, w: jn.rms_norm_backward(dy, x, hidden, r, w))
+  ours_fwd = jax.jit(lambda x, w: jn.rms_norm_fwd(x, hidden, w))
+  loss = lambda f: lambda x, w, dy: jnp.vdot(f(x, w).astype(jnp.float32), dy.astype(jnp.float32))
+  grad = lambda f: jax.jit(jax.grad(loss(f), argnums=(0, 1)))
+  ours = lambda x, w: jn.rms_norm(x, w)
+  return Workload(
+      name=f"RMSNorm {rows}x{hidden} {jnp.dtype(dtype).name}",
+      nbytes_bwd=3 * x.size * x.dtype.itemsize,
+      ours_bwd=(ours_bwd, (dy, x, rstd, w)),
+      xla_bwd=_pure_backward(jnp_rms_norm, (x, w), dy),
+      ours_fwd=(ours_fwd, (x, w)),
+      xla_fwd=(jax.jit(jnp_rms_norm), (x, w)),
+      ours_grad=(grad(ours), (x, w, dy)),
+      xla_grad=(grad(jnp_rms_norm), (x, w, dy)),
   )
 
 
