@@ -124,9 +124,6 @@ def _workloads(quick: bool):
   ]
 
 
-_KINDS = ("bwd", "grad")
-
-
 class _TextProgress:
   """A one-line text progress bar on stderr, for when tqdm is not installed."""
 
@@ -174,22 +171,11 @@ def _progress_bar(total: int, enabled: bool):
 def _timings(quick: bool, show_progress: bool):
   """Median ms of our backward and jax.grad against XLA's autodiff, per workload."""
   makers = _workloads(quick)
-  bar = _progress_bar(len(makers) * 2 * len(_KINDS), show_progress)
-  rows = []
+  bar = _progress_bar(len(makers) * 2 * len(_bench.KINDS), show_progress)
   try:
-    for make in makers:
-      wl = make()
-      row = {"workload": wl.name}
-      for kind in _KINDS:
-        for who in ("ours", "xla"):
-          bar.set_postfix_str(f"{wl.name}: {kind} {who}")
-          row[f"{kind}_{who}_ms"] = _bench.time_variant(getattr(wl, f"{who}_{kind}"))
-          bar.update(1)
-        row[f"{kind}_speedup"] = row[f"{kind}_xla_ms"] / row[f"{kind}_ours_ms"]
-      rows.append(row)
+    return [_bench.time_workload(make(), bar) for make in makers]
   finally:
     bar.close()
-  return rows
 
 
 def _have_matplotlib() -> bool:
@@ -198,32 +184,6 @@ def _have_matplotlib() -> bool:
   except ImportError:
     return False
   return True
-
-
-def _plot(timings, info, path) -> None:
-  """A PNG bar chart of the timings: ours against XLA, backward and jax.grad, per workload."""
-  from matplotlib.figure import Figure  # Figure alone: no pyplot, no GUI backend.
-  fig = Figure(figsize=(10, 1.6 + 0.8 * len(timings)), layout="constrained")
-  axes = fig.subplots(1, len(_KINDS), sharey=True)
-  labels = [r["workload"] for r in timings]
-  ys = np.arange(len(timings))
-  titles = {"bwd": "backward alone", "grad": "jax.grad of the layer"}
-  for ax, kind in zip(axes, _KINDS):
-    ours = [r[f"{kind}_ours_ms"] for r in timings]
-    xla = [r[f"{kind}_xla_ms"] for r in timings]
-    ax.barh(ys - 0.2, xla, height=0.4, label="XLA autodiff of the jnp layer", color="#bbbbbb")
-    ax.barh(ys + 0.2, ours, height=0.4, label="jax_normgrad", color="#1f77b4")
-    for y, o, x in zip(ys, ours, xla):
-      ax.text(o, y + 0.2, f" {x / o:.1f}x", va="center", fontsize=8)
-    ax.set_title(titles[kind])
-    ax.set_xlabel("median ms (lower is better)")
-    ax.set_yticks(ys, labels)
-    ax.invert_yaxis()
-  fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2,
-             fontsize=8)
-  fig.suptitle(f"jax_normgrad {jn.__version__} on {info['platform']} ({info['cpu_kernel_isa']}), "
-               f"jax {info['versions']['jax']}", fontsize=10)
-  fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> int:
@@ -273,7 +233,9 @@ def main(argv=None) -> int:
           f"{r['bwd_speedup']:7.1f}x   {r['grad_ours_ms']:9.2f} {r['grad_xla_ms']:8.2f} "
           f"{r['grad_speedup']:7.1f}x")
   if args.plot:
-    _plot(timings, info, args.plot)
+    title = (f"jax_normgrad {jn.__version__} on {info['platform']} ({info['cpu_kernel_isa']}), "
+             f"jax {info['versions']['jax']}")
+    _bench.plot_timings(timings, title).savefig(args.plot, dpi=120)
     say(f"\nPlot written to {args.plot}")
   ok = all(c["ok"] for c in checks)
   if args.json:

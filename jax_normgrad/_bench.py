@@ -166,6 +166,65 @@ def group_norm_workload(n: int, c: int, h: int, w_: int, groups: int, dtype=jnp.
   )
 
 
+#: What a timing row measures: the backward alone, and jax.grad of the layer.
+KINDS = ("bwd", "grad")
+
+
+def time_workload(wl: Workload, progress=None, **kw) -> dict:
+  """Times a workload's backward and ``jax.grad``, ours against XLA's autodiff.
+
+  Args:
+    wl: the workload.
+    progress: optional tqdm-like bar (``set_postfix_str``, ``update``),
+      advanced once per timed variant (4 per workload).
+    **kw: passed to :func:`median_ms` (``warmup``, ``iters``, ``min_time_s``).
+
+  Returns:
+    ``{"workload", "nbytes_bwd", "<kind>_ours_ms", "<kind>_xla_ms",
+    "<kind>_speedup"}`` for kind in ``KINDS``; speedup = XLA / ours.
+  """
+  row = {"workload": wl.name, "nbytes_bwd": wl.nbytes_bwd}
+  for kind in KINDS:
+    for who in ("ours", "xla"):
+      if progress is not None:
+        progress.set_postfix_str(f"{wl.name}: {kind} {who}")
+      row[f"{kind}_{who}_ms"] = time_variant(getattr(wl, f"{who}_{kind}"), **kw)
+      if progress is not None:
+        progress.update(1)
+    row[f"{kind}_speedup"] = row[f"{kind}_xla_ms"] / row[f"{kind}_ours_ms"]
+  return row
+
+
+def plot_timings(rows: list[dict], title: str = ""):
+  """A matplotlib Figure of :func:`time_workload` rows: ours against XLA, per workload.
+
+  Uses ``matplotlib.figure.Figure`` directly (no pyplot, no GUI backend);
+  save it with ``fig.savefig(path)`` or show it as a notebook cell's value.
+  Raises ImportError without matplotlib.
+  """
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(11, 1.6 + 0.7 * len(rows)), layout="constrained")
+  axes = fig.subplots(1, len(KINDS), sharey=True)
+  ys = np.arange(len(rows))
+  titles = {"bwd": "backward alone", "grad": "jax.grad of the layer"}
+  for ax, kind in zip(axes, KINDS):
+    ours = [r[f"{kind}_ours_ms"] for r in rows]
+    xla = [r[f"{kind}_xla_ms"] for r in rows]
+    ax.barh(ys - 0.2, xla, height=0.4, label="XLA autodiff of the jnp layer", color="#bbbbbb")
+    ax.barh(ys + 0.2, ours, height=0.4, label="jax_normgrad", color="#1f77b4")
+    for y, o, x in zip(ys, ours, xla):
+      ax.text(o, y + 0.2, f" {x / o:.1f}x", va="center", fontsize=8)
+    ax.set_title(titles[kind])
+    ax.set_xlabel("median ms (lower is better)")
+    ax.set_yticks(ys, [r["workload"] for r in rows])
+  axes[0].invert_yaxis()  # the first workload on top; the y axis is shared: once for both
+  fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2,
+             fontsize=8)
+  if title:
+    fig.suptitle(title, fontsize=10)
+  return fig
+
+
 def versions() -> dict:
   import platform
   import os
