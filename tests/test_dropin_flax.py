@@ -222,3 +222,15 @@ def test_nnx_constructor_is_flax_constructor():
   assert m.implementation == "xla" and isinstance(m, nnx.LayerNorm)
   with pytest.raises(ValueError, match="Either `num_groups` or `group_size`"):
     jx.GroupNorm(8, num_groups=2, group_size=4, rngs=nnx.Rngs(0))
+
+
+def test_readme_flax_example_runs():
+  import pathlib
+  import re
+  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  section = readme[readme.index("## Drop-in layers"):]
+  block = re.findall(r"```python\n(.+?)\n```", section, re.S)[0]
+  namespace = {}
+  exec(compile(block, "README.md", "exec"), namespace)
+  assert jax.tree.map(jnp.shape, namespace["grads"])["params"]["LayerNorm_0"] == {
+      "scale": (64,), "bias": (64,)}
