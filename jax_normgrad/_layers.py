@@ -62,6 +62,32 @@ def trailing_start(ndim: int, axes: tuple[int, ...]) -> int | None:
   return s[0]
 
 
+def plan_axes(x, reduction_axes, feature_axes=None):
+  """Where a flax-style layer normalizes ``x``, and whether the kernels can.
+
+  Args:
+    x: the input.
+    reduction_axes: flax's ``reduction_axes`` (int or sequence, negatives allowed).
+    feature_axes: flax's ``feature_axes``, or None to skip their check.
+
+  Returns:
+    ``(begin, feat, reason)``: the first normalized axis (None when the axes
+    are not trailing), the canonical feature axes, and the fallback reason
+    (None: the kernels compute it).
+  """
+  red = canonical_axes(x.ndim, reduction_axes)
+  feat = () if feature_axes is None else canonical_axes(x.ndim, feature_axes)
+  begin = trailing_start(x.ndim, red)
+  reason = None
+  if begin is None:
+    reason = f"reduction_axes={reduction_axes!r} (not the trailing axes of a {x.ndim}-D x)"
+  elif not set(feat) <= set(red):
+    reason = f"feature_axes={feature_axes!r} outside reduction_axes={reduction_axes!r}"
+  elif empty_reduction(x, begin):
+    reason = "a zero-sized normalized axis"
+  return begin, feat, reason
+
+
 def unsupported_dtypes(**dtypes) -> str | None:
   """A reason to fall back when a dtype is not one the kernels compute in, else None."""
   for name, dtype in dtypes.items():

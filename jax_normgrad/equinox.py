@@ -1,17 +1,4 @@
-"""Drop-in ``equinox.nn`` LayerNorm, GroupNorm and RMSNorm whose backward runs the jax_normgrad kernels.
-
-Each class subclasses the ``equinox.nn`` class of the same name and keeps
-its ``__init__`` (arguments, defaults, checks), its fields and its leaves
-(``weight``, ``bias``), so ``eqx.tree_serialise_leaves`` checkpoints load
-unchanged. ``__init__`` takes one more keyword, ``implementation`` (None,
-"xla", "ffi" or "pallas"), stored as a static field. ``__call__(x,
-state=..., *, key=None)`` is equinox's: one unbatched sample (``jax.vmap``
-over a batch: the kernels then see the whole batch at once), the state
-passed through when given.
-
-Requires equinox (``pip install "jax_normgrad[equinox]"``); ``import
-jax_normgrad`` alone does not import it.
-"""
+"""Drop-in ``equinox.nn`` LayerNorm, GroupNorm and RMSNorm (subclasses of equinox's) whose backward runs the jax_normgrad kernels."""
 
 from __future__ import annotations
 
@@ -21,6 +8,10 @@ import jax.numpy as jnp
 
 from jax_normgrad import _layers
 
+# Subclassing equinox's classes keeps their ``__init__`` (arguments, defaults, checks),
+# fields and leaves (``weight``, ``bias``), so ``eqx.tree_serialise_leaves`` checkpoints
+# load unchanged; ``implementation`` is one more static field. Needs the ``equinox``
+# extra; ``import jax_normgrad`` does not import this module.
 __all__ = ["GroupNorm", "LayerNorm", "RMSNorm"]
 
 # Tells "no state passed" from any state (equinox's own marker is private).
@@ -64,6 +55,7 @@ def _f32(p):
 
 def _call(mdl, original, x, state, key, *, centered: bool):
   """LayerNorm / RMSNorm ``__call__``: the kernels, or ``original``'s own code."""
+  x = jnp.asarray(x)  # as equinox's jnp code sees it
   if x.shape != mdl.shape:
     return original.__call__(mdl, x, *(() if state is _NO_STATE else (state,)), key=key)
   reason = _fallback_reason(x)
@@ -151,6 +143,7 @@ class GroupNorm(eqx.nn.GroupNorm):
   __init__ = _init_with_implementation(eqx.nn.GroupNorm)
 
   def __call__(self, x, state=_NO_STATE, *, key=None):
+    x = jnp.asarray(x)  # as equinox's jnp code sees it
     args = () if state is _NO_STATE else (state,)
     channels = x.shape[0] if x.ndim else 0
     if (not channels or channels % self.groups

@@ -1,18 +1,4 @@
-"""Drop-in ``flax.linen`` LayerNorm, GroupNorm and RMSNorm whose backward runs the jax_normgrad kernels.
-
-Swap ``from flax import linen as nn`` for these three classes (``from
-jax_normgrad.flax import LayerNorm``): each is a subclass of the flax class
-of the same name, so its constructor, attributes, defaults, parameter names
-(``scale``, ``bias``), shapes, dtypes and auto-generated module names
-(``LayerNorm_0``) are flax's own, and existing checkpoints load unchanged.
-Only ``__call__`` differs: it calls :func:`jax_normgrad.layer_norm`,
-:func:`~jax_normgrad.group_norm` or :func:`~jax_normgrad.rms_norm`, with the
-same numbers as flax to float32 rounding. One attribute is added, last:
-``implementation`` (None, "xla", "ffi" or "pallas"; see the functions).
-
-Requires flax (``pip install "jax_normgrad[flax]"``); ``import jax_normgrad``
-alone does not import it.
-"""
+"""Drop-in ``flax.linen`` LayerNorm, GroupNorm and RMSNorm (subclasses of flax's) whose backward runs the jax_normgrad kernels."""
 
 from __future__ import annotations
 
@@ -24,6 +10,11 @@ from flax.linen import dtypes as flax_dtypes
 
 from jax_normgrad import _layers
 
+# Subclassing flax's classes makes the constructor, attributes, defaults, parameter
+# names and tree and the auto-generated module names (``LayerNorm_0``) flax's own, so
+# checkpoints load unchanged and a fallback can call flax's ``__call__``. Only
+# ``__call__`` differs. Needs the ``flax`` extra; ``import jax_normgrad`` does not
+# import this module.
 __all__ = ["GroupNorm", "LayerNorm", "RMSNorm"]
 
 _COMMON_CASES = [
@@ -43,22 +34,9 @@ def _doc(original, axes_case, fast_variance=True):
 def _linen_norm(mdl, original, x, mask, *, centered: bool):
   """LayerNorm / RMSNorm ``__call__``: the kernels, or ``original``'s own code where they do not apply."""
   layer = f"jax_normgrad.flax.{original.__name__}"
-  reason = None
-  red = _layers.canonical_axes(x.ndim, mdl.reduction_axes)
-  feat = _layers.canonical_axes(x.ndim, mdl.feature_axes)
-  begin = _layers.trailing_start(x.ndim, red)
-  if mask is not None:
-    reason = "mask"
-  elif mdl.axis_name is not None:
-    reason = "axis_name (cross-device statistics)"
-  elif not mdl.force_float32_reductions:
-    reason = "force_float32_reductions=False"
-  elif begin is None:
-    reason = f"reduction_axes={mdl.reduction_axes!r} (not the trailing axes of a {x.ndim}-D x)"
-  elif not set(feat) <= set(red):
-    reason = f"feature_axes={mdl.feature_axes!r} outside reduction_axes={mdl.reduction_axes!r}"
-  elif _layers.empty_reduction(x, begin):
-    reason = "a zero-sized normalized axis"
+  x = jnp.asarray(x)  # as flax's jnp code sees it (a NumPy float64 x is float32 without x64)
+  begin, feat, axes_reason = _layers.plan_axes(x, mdl.reduction_axes, mdl.feature_axes)
+  reason = _option_reason(mdl, mask) or axes_reason
   param_shape = [x.shape[a] for a in feat]
   names = [("scale", mdl.scale_init, mdl.use_scale)]
   if centered:  # RMSNorm has no bias.
@@ -68,32 +46,42 @@ def _linen_norm(mdl, original, x, mask, *, centered: bool):
   if reason is not None:
     _layers.warn_fallback(layer, reason, f"flax.linen.{original.__name__}")
     return original.__call__(mdl, x, mask=mask)
-  params = [mdl.param(name, init, param_shape, mdl.param_dtype) if used else None
-            for name, init, used in names]
-  params += [None] * (2 - len(params))
-  out_dtype = flax_dtypes.canonicalize_dtype(x, *params, dtype=mdl.dtype)
+  params = {name: mdl.param(name, init, param_shape, mdl.param_dtype)
+            for name, init, used in names if used}
+  out_dtype = flax_dtypes.canonicalize_dtype(x, *params.values(), dtype=mdl.dtype)
   # flax reshapes the parameters to x's rank, ones off the feature axes; the
   # kernels take them over the normalized (trailing) axes.
   feature_shape = [1] * x.ndim
   for a in feat:
     feature_shape[a] = x.shape[a]
   trailing = tuple(feature_shape[begin:])
-  scale, bias = (None if p is None else p.reshape(trailing) for p in params)
+  scale, bias = (params[n].reshape(trailing) if n in params else None for n in ("scale", "bias"))
   return _layers.norm(x, scale, bias, begin=begin, eps=mdl.epsilon, centered=centered,
                       out_dtype=out_dtype, implementation=mdl.implementation)
 
 
+def _option_reason(mdl, mask):
+  """The fallback reason for a call option the kernels do not cover, else None."""
+  if mask is not None:
+    return "mask"
+  if mdl.axis_name is not None:
+    return "axis_name (cross-device statistics)"
+  if not mdl.force_float32_reductions:
+    return "force_float32_reductions=False"
+  return None
+
+
 def _unsupported_dtypes(mdl, x, param_shape, names):
   """The fallback reason for dtypes the kernels do not compute in (x, parameters, result), else None."""
-  param_dtypes = [_param_dtype(mdl, name, init, param_shape) for name, init, used in names if used]
+  param_dtypes = {name: _param_dtype(mdl, name, init, param_shape)
+                  for name, init, used in names if used}
   stats_dtype = jnp.promote_types(mdl.dtype if mdl.dtype is not None else x.dtype, jnp.float32)
   if jnp.dtype(stats_dtype) != _layers.F32:
     return f"statistics dtype {jnp.dtype(stats_dtype)}"
   # canonicalize_dtype takes arrays: NumPy scalars stand in (no traced ops).
   out_dtype = flax_dtypes.canonicalize_dtype(
-      np.zeros((), x.dtype), *(np.zeros((), d) for d in param_dtypes), dtype=mdl.dtype)
-  return _layers.unsupported_dtypes(x=x.dtype, **{f"param{i}": d for i, d in enumerate(param_dtypes)},
-                                    result=out_dtype)
+      np.zeros((), x.dtype), *(np.zeros((), d) for d in param_dtypes.values()), dtype=mdl.dtype)
+  return _layers.unsupported_dtypes(x=x.dtype, **param_dtypes, result=out_dtype)
 
 
 def _param_dtype(mdl, name, init, shape):
@@ -156,7 +144,7 @@ class RMSNorm(nn.RMSNorm):
     return _linen_norm(self, nn.RMSNorm, x, mask, centered=False)
 
 
-def num_groups_of(num_groups, group_size, channels) -> int | None:
+def _num_groups(num_groups, group_size, channels) -> int | None:
   """flax's group count from ``num_groups`` / ``group_size``; None where flax raises."""
   if (num_groups is None) == (group_size is None):
     return None
@@ -193,24 +181,14 @@ class GroupNorm(nn.GroupNorm):
   @nn.compact
   def __call__(self, x, *, mask: jax.Array | None = None):
     layer = "jax_normgrad.flax.GroupNorm"
+    x = jnp.asarray(x)  # as flax's jnp code sees it
     axes = (self.reduction_axes if self.reduction_axes is not None
             else list(range(1, x.ndim - 1)) + [-1])
-    red = _layers.canonical_axes(x.ndim, axes)
-    begin = _layers.trailing_start(x.ndim, red)
-    groups = num_groups_of(self.num_groups, self.group_size, x.shape[-1]) if x.ndim else None
-    if groups is None or x.ndim - 1 not in red:
+    groups = _num_groups(self.num_groups, self.group_size, x.shape[-1]) if x.ndim else None
+    if groups is None or x.ndim - 1 not in _layers.canonical_axes(x.ndim, axes):
       return nn.GroupNorm.__call__(self, x, mask=mask)  # flax raises its own error.
-    reason = None
-    if mask is not None:
-      reason = "mask"
-    elif self.axis_name is not None:
-      reason = "axis_name (cross-device statistics)"
-    elif not self.force_float32_reductions:
-      reason = "force_float32_reductions=False"
-    elif begin is None:
-      reason = f"reduction_axes={self.reduction_axes!r} (not the trailing axes of a {x.ndim}-D x)"
-    elif _layers.empty_reduction(x, begin):
-      reason = "a zero-sized normalized axis"
+    begin, _, axes_reason = _layers.plan_axes(x, axes)
+    reason = _option_reason(self, mask) or axes_reason
     names = [("scale", self.scale_init, self.use_scale), ("bias", self.bias_init, self.use_bias)]
     if reason is None:
       reason = _unsupported_dtypes(self, x, [x.shape[-1]], names)

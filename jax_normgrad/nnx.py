@@ -1,16 +1,4 @@
-"""Drop-in ``flax.nnx`` LayerNorm, GroupNorm and RMSNorm whose backward runs the jax_normgrad kernels.
-
-Each class subclasses the ``flax.nnx`` class of the same name and keeps its
-``__init__`` (``num_features`` first, keyword ``rngs``, every default), its
-``scale``/``bias`` ``nnx.Param`` s and its attributes, so ``nnx.state`` and
-checkpoints are the original's. ``__init__`` takes one more keyword,
-``implementation`` (None, "xla", "ffi" or "pallas"). ``__call__`` calls
-:func:`jax_normgrad.layer_norm`, :func:`~jax_normgrad.group_norm` or
-:func:`~jax_normgrad.rms_norm` after the layer's own ``promote_dtype``.
-
-Requires flax (``pip install "jax_normgrad[flax]"``); ``import jax_normgrad``
-alone does not import it.
-"""
+"""Drop-in ``flax.nnx`` LayerNorm, GroupNorm and RMSNorm (subclasses of flax's) whose backward runs the jax_normgrad kernels."""
 
 from __future__ import annotations
 
@@ -22,6 +10,10 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 
 from jax_normgrad import _layers
 
+# Subclassing flax.nnx's classes keeps their ``__init__`` (``num_features`` first,
+# keyword ``rngs``), their ``nnx.Param`` s and attributes, so ``nnx.state`` and
+# checkpoints are the original's; ``__init__`` only gains ``implementation``. Needs the
+# ``flax`` extra; ``import jax_normgrad`` does not import this module.
 __all__ = ["GroupNorm", "LayerNorm", "RMSNorm"]
 
 
@@ -30,14 +22,13 @@ def _value(p):
   return None if p is None else p[...]
 
 
-def _common_reason(mdl, x, mask, stats_dtype_of):
-  """The fallback reason shared by the three layers (mask, devices, dtypes), else None."""
+def _common_reason(mdl, x, mask):
+  """The fallback reason shared by the three layers (mask, devices, statistics dtype), else None."""
   if mask is not None:
     return "mask"
   if mdl.axis_name is not None:
     return "axis_name (cross-device statistics)"
-  stats_dtype = jnp.promote_types(mdl.dtype if mdl.dtype is not None else stats_dtype_of,
-                                  jnp.float32)
+  stats_dtype = jnp.promote_types(mdl.dtype if mdl.dtype is not None else x.dtype, jnp.float32)
   if jnp.dtype(stats_dtype) != _layers.F32:
     return f"statistics dtype {jnp.dtype(stats_dtype)}"
   return None
@@ -50,19 +41,11 @@ def _nnx_norm(mdl, original, x, mask, *, centered: bool):
   else:  # RMSNorm: no bias, and its promote_dtype takes (x, scale).
     xp, scale = mdl.promote_dtype((x, _value(mdl.scale)), dtype=mdl.dtype)
     bias = None
-  red = _layers.canonical_axes(xp.ndim, mdl.reduction_axes)
-  feat = _layers.canonical_axes(xp.ndim, mdl.feature_axes)
-  begin = _layers.trailing_start(xp.ndim, red)
+  begin, feat, axes_reason = _layers.plan_axes(xp, mdl.reduction_axes, mdl.feature_axes)
   feature_shape = [1] * xp.ndim
   for a in feat:
     feature_shape[a] = xp.shape[a]
-  reason = _common_reason(mdl, xp, mask, xp.dtype)
-  if reason is None and begin is None:
-    reason = f"reduction_axes={mdl.reduction_axes!r} (not the trailing axes of a {xp.ndim}-D x)"
-  elif reason is None and not set(feat) <= set(red):
-    reason = f"feature_axes={mdl.feature_axes!r} outside reduction_axes={mdl.reduction_axes!r}"
-  elif reason is None and _layers.empty_reduction(xp, begin):
-    reason = "a zero-sized normalized axis"
+  reason = _common_reason(mdl, xp, mask) or axes_reason
   out_dtype = nnx_dtypes.canonicalize_dtype(xp, scale, bias, dtype=mdl.dtype)
   if reason is None:
     reason = _layers.unsupported_dtypes(x=xp.dtype, scale=_dtype(scale), bias=_dtype(bias),
@@ -176,14 +159,13 @@ class GroupNorm(nnx.GroupNorm):
     channels = self.num_groups * self.group_size
     if x.ndim < 2 or x.shape[-1] != channels:
       return nnx.GroupNorm.__call__(self, x, mask=mask)  # flax's own result or error.
-    red = _layers.canonical_axes(x.ndim, axes)
     xp, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)),
                                          dtype=self.dtype)
-    reason = _common_reason(self, xp, mask, xp.dtype)
-    if reason is None and sorted(set(red)) != list(range(1, x.ndim)):
-      reason = f"reduction_axes={self.reduction_axes!r} (not the axes 1, ..., {x.ndim - 1})"
-    elif reason is None and _layers.empty_reduction(xp, 1):
-      reason = "a zero-sized normalized axis"
+    begin, _, axes_reason = _layers.plan_axes(xp, axes)
+    if axes_reason is None and begin != 1:
+      # flax.nnx repeats the statistics along axis 1: only one sample axis is its GroupNorm.
+      axes_reason = f"reduction_axes={self.reduction_axes!r} (not the axes 1, ..., {x.ndim - 1})"
+    reason = _common_reason(self, xp, mask) or axes_reason
     out_dtype = nnx_dtypes.canonicalize_dtype(xp, scale, bias, dtype=self.dtype)
     if reason is None:
       reason = _layers.unsupported_dtypes(x=xp.dtype, scale=_dtype(scale), bias=_dtype(bias),

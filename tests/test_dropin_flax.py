@@ -90,6 +90,34 @@ def test_linen_mask_falls_back_to_flax():
   np.testing.assert_array_equal(y, theirs.apply(params, x, mask=mask))
 
 
+def test_linen_float64_falls_back_numpy_float64_does_not():
+  ours, theirs = jf.LayerNorm(), nn.LayerNorm()
+  x = np.random.default_rng(0).normal(size=(3, 16))  # NumPy float64: float32 in JAX without x64
+  params = random_like(jax.eval_shape(theirs.init, jax.random.key(0), x))
+  with expect_fallback(False):
+    y = ours.apply(params, x)
+  assert y.dtype == jnp.float32
+  assert_trees_close(y, theirs.apply(params, x))
+  with jax.enable_x64(True):
+    x64 = jnp.asarray(x, jnp.float64)
+    with expect_fallback(True):
+      y = ours.apply(params, x64)
+    np.testing.assert_array_equal(y, theirs.apply(params, x64))
+
+
+def test_linen_under_vmap_and_nnx_positional_mask():
+  ours, theirs = jf.GroupNorm(num_groups=2), nn.GroupNorm(num_groups=2)
+  x = _x((5, 3, 4, 8))
+  params = random_like(jax.eval_shape(theirs.init, jax.random.key(0), x[0]))
+  f = lambda m: jax.jit(jax.vmap(lambda x: m.apply(params, x)))
+  assert_trees_close(f(ours)(x), f(theirs)(x))
+  mask = jnp.arange(8) < 6
+  m_ours, m_theirs = jx.RMSNorm(8, rngs=nnx.Rngs(0)), nnx.RMSNorm(8, rngs=nnx.Rngs(0))
+  with expect_fallback(True):
+    y = m_ours(x, mask)
+  np.testing.assert_array_equal(y, m_theirs(x, mask))
+
+
 def test_linen_fast_variance_is_the_variance():
   """flax's E[x^2]-E[x]^2 and the kernels' two-pass variance agree when |mean| ~ std, not far beyond."""
   ours, theirs = jf.LayerNorm(use_scale=False, use_bias=False), nn.LayerNorm(use_scale=False,
