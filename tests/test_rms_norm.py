@@ -132,8 +132,8 @@ class RmsNormTests:
     grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1))))(x, w, dy)
     fwd = lambda x, w: jn.rms_norm_fwd(x, 24, w, implementation=impl)
     bwd = lambda dy, x, r, w: jn.rms_norm_backward(dy, x, 24, r, w, implementation=impl)
-    y, rstd = jax.vmap(fwd)(x, w)
-    dx, dw = jax.vmap(bwd)(dy, x, rstd, w)
+    y, rstd = jax.jit(jax.vmap(fwd))(x, w)
+    dx, dw = jax.jit(jax.vmap(bwd))(dy, x, rstd, w)
     for i in range(3):
       single = jax.grad(loss, argnums=(0, 1))(x[i], w[i], dy[i])
       for b, s in zip(grads, single):

@@ -76,8 +76,7 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
       normalized=normalized, write_xhat=write_xhat, implementation=implementation)
   to_x = lambda a: a.reshape(x.shape)
   to_param = lambda a: a.reshape(norm_shape)
-  outs = unmask(outs, output_mask + (True,) * write_xhat, (to_x, to_param, to_param, to_x))
-  return outs
+  return unmask(outs, output_mask + (True,) * write_xhat, (to_x, to_param, to_param, to_x))
 
 
 def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, scale_offset=0.0,
