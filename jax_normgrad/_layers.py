@@ -195,14 +195,23 @@ def empty_reduction(x, begin: int) -> bool:
   return math.prod(x.shape[begin:]) == 0
 
 
-def with_implementation_keyword(init, original_init):
-  """``init``'s signature shown as ``original_init``'s plus a keyword ``implementation=None``."""
-  sig = inspect.signature(original_init)
+def init_with_implementation(original):
+  """An ``__init__`` that is ``original.__init__`` plus a keyword ``implementation=None``.
+
+  Its signature is shown as the original's with that keyword added, so
+  ``inspect.signature`` and help() list the original's arguments and defaults.
+  """
+
+  def __init__(self, *args, implementation: str | None = None, **kwargs):
+    original.__init__(self, *args, **kwargs)
+    self.implementation = implementation
+
+  sig = inspect.signature(original.__init__)
   params = list(sig.parameters.values())
   extra = inspect.Parameter("implementation", inspect.Parameter.KEYWORD_ONLY, default=None)
   # Keyword-only parameters go before a trailing **kwargs, if any.
   at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD),
             len(params))
-  init.__signature__ = sig.replace(parameters=params[:at] + [extra] + params[at:])
-  init.__doc__ = init.__doc__ or original_init.__doc__
-  return init
+  __init__.__signature__ = sig.replace(parameters=params[:at] + [extra] + params[at:])
+  __init__.__doc__ = original.__init__.__doc__
+  return __init__

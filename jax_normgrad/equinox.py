@@ -24,16 +24,6 @@ _FALLBACK_CASES = [
 ]
 
 
-def _init_with_implementation(original):
-  """An ``__init__`` that is ``original.__init__`` plus a keyword ``implementation=None``."""
-
-  def __init__(self, *args, implementation: str | None = None, **kwargs):
-    original.__init__(self, *args, **kwargs)
-    self.implementation = implementation
-
-  return _layers.with_implementation_keyword(__init__, original.__init__)
-
-
 def _fallback_reason(x):
   """Why the kernels cannot compute equinox's numbers for ``x``, else None."""
   reason = _layers.unsupported_dtypes(x=x.dtype)
@@ -89,7 +79,7 @@ class LayerNorm(eqx.nn.LayerNorm):
 
   implementation: str | None = eqx.field(static=True, default=None)
 
-  __init__ = _init_with_implementation(eqx.nn.LayerNorm)
+  __init__ = _layers.init_with_implementation(eqx.nn.LayerNorm)
 
   def __call__(self, x, state=_NO_STATE, *, key=None):
     return _call(self, eqx.nn.LayerNorm, x, state, key, centered=True)
@@ -113,7 +103,7 @@ class RMSNorm(eqx.nn.RMSNorm):
 
   implementation: str | None = eqx.field(static=True, default=None)
 
-  __init__ = _init_with_implementation(eqx.nn.RMSNorm)
+  __init__ = _layers.init_with_implementation(eqx.nn.RMSNorm)
 
   def __call__(self, x, state=_NO_STATE, *, key=None):
     return _call(self, eqx.nn.RMSNorm, x, state, key, centered=False)
@@ -140,7 +130,7 @@ class GroupNorm(eqx.nn.GroupNorm):
 
   implementation: str | None = eqx.field(static=True, default=None)
 
-  __init__ = _init_with_implementation(eqx.nn.GroupNorm)
+  __init__ = _layers.init_with_implementation(eqx.nn.GroupNorm)
 
   def __call__(self, x, state=_NO_STATE, *, key=None):
     x = jnp.asarray(x)  # as equinox's jnp code sees it

@@ -80,16 +80,6 @@ def _doc(original, axes_case, fast_variance=True):
           + (_layers.FAST_VARIANCE_NOTE if fast_variance else ""))
 
 
-def _init_with_implementation(original):
-  """An ``__init__`` that is ``original.__init__`` plus a keyword ``implementation=None``."""
-
-  def __init__(self, *args, implementation: str | None = None, **kwargs):
-    original.__init__(self, *args, **kwargs)
-    self.implementation = implementation
-
-  return _layers.with_implementation_keyword(__init__, original.__init__)
-
-
 class LayerNorm(nnx.LayerNorm):
   __doc__ = f"""``flax.nnx.LayerNorm`` whose backward runs the jax_normgrad kernels.
 
@@ -106,7 +96,7 @@ class LayerNorm(nnx.LayerNorm):
   Raises: what ``flax.nnx.LayerNorm`` raises; see :func:`jax_normgrad.layer_norm`.
   """
 
-  __init__ = _init_with_implementation(nnx.LayerNorm)
+  __init__ = _layers.init_with_implementation(nnx.LayerNorm)
 
   def __call__(self, x, *, mask=None):
     return _nnx_norm(self, nnx.LayerNorm, x, mask, centered=True)
@@ -127,7 +117,7 @@ class RMSNorm(nnx.RMSNorm):
   Raises: what ``flax.nnx.RMSNorm`` raises; see :func:`jax_normgrad.rms_norm`.
   """
 
-  __init__ = _init_with_implementation(nnx.RMSNorm)
+  __init__ = _layers.init_with_implementation(nnx.RMSNorm)
 
   def __call__(self, x, mask=None):
     return _nnx_norm(self, nnx.RMSNorm, x, mask, centered=False)
@@ -151,7 +141,7 @@ class GroupNorm(nnx.GroupNorm):
   Raises: what ``flax.nnx.GroupNorm`` raises.
   """
 
-  __init__ = _init_with_implementation(nnx.GroupNorm)
+  __init__ = _layers.init_with_implementation(nnx.GroupNorm)
 
   def __call__(self, x, *, mask=None):
     axes = (self.reduction_axes if self.reduction_axes is not None
