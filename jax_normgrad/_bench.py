@@ -60,6 +60,12 @@ def jnp_group_norm(x, groups, weight, bias, eps=1e-5):
   return (y * weight.reshape(shape) + bias.reshape(shape)).astype(x.dtype)
 
 
+def jnp_rms_norm(x, weight, eps=1e-6):
+  x32 = x.astype(jnp.float32)
+  ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  return (x32 * jax.lax.rsqrt(ms + eps) * weight).astype(x.dtype)
+
+
 @dataclasses.dataclass
 class Workload:
   """One shape: jitted (fn, args) pairs for each measured variant."""
@@ -108,6 +114,30 @@ def layer_norm_workload(rows: int, hidden: int, dtype=jnp.float32, seed: int = 0
   )
 
 
+def rms_norm_workload(rows: int, hidden: int, dtype=jnp.float32, seed: int = 0) -> Workload:
+  """RMSNorm over the last axis with a weight (no bias: RMSNorm has none)."""
+  k = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(k[0], (rows, hidden), jnp.float32).astype(dtype)
+  dy = jax.random.normal(k[1], (rows, hidden), jnp.float32).astype(dtype)
+  w = (1 + 0.1 * jax.random.normal(k[2], (hidden,))).astype(dtype)
+  _, rstd = jn.rms_norm_fwd(x, hidden, w)
+  ours_bwd = jax.jit(lambda dy, x, r, w: jn.rms_norm_backward(dy, x, hidden, r, w))
+  ours_fwd = jax.jit(lambda x, w: jn.rms_norm_fwd(x, hidden, w))
+  loss = lambda f: lambda x, w, dy: jnp.vdot(f(x, w).astype(jnp.float32), dy.astype(jnp.float32))
+  grad = lambda f: jax.jit(jax.grad(loss(f), argnums=(0, 1)))
+  ours = lambda x, w: jn.rms_norm(x, w)
+  return Workload(
+      name=f"RMSNorm {rows}x{hidden} {jnp.dtype(dtype).name}",
+      nbytes_bwd=3 * x.size * x.dtype.itemsize,
+      ours_bwd=(ours_bwd, (dy, x, rstd, w)),
+      xla_bwd=_pure_backward(jnp_rms_norm, (x, w), dy),
+      ours_fwd=(ours_fwd, (x, w)),
+      xla_fwd=(jax.jit(jnp_rms_norm), (x, w)),
+      ours_grad=(grad(ours), (x, w, dy)),
+      xla_grad=(grad(jnp_rms_norm), (x, w, dy)),
+  )
+
+
 def group_norm_workload(n: int, c: int, h: int, w_: int, groups: int, dtype=jnp.float32,
                         seed: int = 0) -> Workload:
   k = jax.random.split(jax.random.key(seed), 4)
@@ -134,6 +164,65 @@ def group_norm_workload(n: int, c: int, h: int, w_: int, groups: int, dtype=jnp.
       ours_grad=(grad(ours), (x, g, b, dy)),
       xla_grad=(grad(ref), (x, g, b, dy)),
   )
+
+
+#: What a timing row measures: the backward alone, and jax.grad of the layer.
+KINDS = ("bwd", "grad")
+
+
+def time_workload(wl: Workload, progress=None, **kw) -> dict:
+  """Times a workload's backward and ``jax.grad``, ours against XLA's autodiff.
+
+  Args:
+    wl: the workload.
+    progress: optional tqdm-like bar (``set_postfix_str``, ``update``),
+      advanced once per timed variant (4 per workload).
+    **kw: passed to :func:`median_ms` (``warmup``, ``iters``, ``min_time_s``).
+
+  Returns:
+    ``{"workload", "nbytes_bwd", "<kind>_ours_ms", "<kind>_xla_ms",
+    "<kind>_speedup"}`` for kind in ``KINDS``; speedup = XLA / ours.
+  """
+  row = {"workload": wl.name, "nbytes_bwd": wl.nbytes_bwd}
+  for kind in KINDS:
+    for who in ("ours", "xla"):
+      if progress is not None:
+        progress.set_postfix_str(f"{wl.name}: {kind} {who}")
+      row[f"{kind}_{who}_ms"] = time_variant(getattr(wl, f"{who}_{kind}"), **kw)
+      if progress is not None:
+        progress.update(1)
+    row[f"{kind}_speedup"] = row[f"{kind}_xla_ms"] / row[f"{kind}_ours_ms"]
+  return row
+
+
+def plot_timings(rows: list[dict], title: str = ""):
+  """A matplotlib Figure of :func:`time_workload` rows: ours against XLA, per workload.
+
+  Uses ``matplotlib.figure.Figure`` directly (no pyplot, no GUI backend);
+  save it with ``fig.savefig(path)`` or show it as a notebook cell's value.
+  Raises ImportError without matplotlib.
+  """
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(11, 1.6 + 0.7 * len(rows)), layout="constrained")
+  axes = fig.subplots(1, len(KINDS), sharey=True)
+  ys = np.arange(len(rows))
+  titles = {"bwd": "backward alone", "grad": "jax.grad of the layer"}
+  for ax, kind in zip(axes, KINDS):
+    ours = [r[f"{kind}_ours_ms"] for r in rows]
+    xla = [r[f"{kind}_xla_ms"] for r in rows]
+    ax.barh(ys - 0.2, xla, height=0.4, label="XLA autodiff of the jnp layer", color="#bbbbbb")
+    ax.barh(ys + 0.2, ours, height=0.4, label="jax_normgrad", color="#1f77b4")
+    for y, o, x in zip(ys, ours, xla):
+      ax.text(o, y + 0.2, f" {x / o:.1f}x", va="center", fontsize=8)
+    ax.set_title(titles[kind])
+    ax.set_xlabel("median ms (lower is better)")
+    ax.set_yticks(ys, [r["workload"] for r in rows])
+  axes[0].invert_yaxis()  # the first workload on top; the y axis is shared: once for both
+  fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2,
+             fontsize=8)
+  if title:
+    fig.suptitle(title, fontsize=10)
+  return fig
 
 
 def versions() -> dict:

@@ -1,0 +1,217 @@
+"""Framework-free machinery of the drop-in layers (``jax_normgrad.flax``, ``.nnx``, ``.equinox``)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import textwrap
+from collections.abc import Iterable
+
+import jax.numpy as jnp
+
+import jax_normgrad as jn
+from jax_normgrad import _implementation
+from jax_normgrad._validation import SUPPORTED_DTYPES
+
+F32 = jnp.dtype(jnp.float32)
+
+
+#: The docstring paragraph on flax's ``use_fast_variance``, shared by the flax and nnx drop-ins.
+FAST_VARIANCE_NOTE = """
+  ``use_fast_variance`` does not change the path: flax's ``True`` (its
+  default) computes ``var = E[x^2] - E[x]^2``, the kernels always the
+  two-pass ``E[(x - mean)^2]``. Both are the variance; they agree to float32
+  rounding unless ``|mean|`` is large against the standard deviation, where
+  flax's formula loses digits (and clips at zero) and the kernels' does not.
+  For flax's exact fast-variance numbers use the flax class itself.
+"""
+
+
+def fallback_doc(original: str, cases: list[str]) -> str:
+  """The docstring paragraph listing when a drop-in runs ``original``'s own code."""
+  items = [textwrap.fill(c + (";" if i < len(cases) - 1 else "."), 78, initial_indent="  - ",
+                         subsequent_indent="    ") for i, c in enumerate(cases)]
+  intro = textwrap.fill(
+      f"The kernels run whenever they compute what ``{original}`` computes. Otherwise "
+      f"``{original}``'s own ``__call__`` runs (pure JAX, its exact numbers and gradients) "
+      "and a one-time ``jax_normgrad.FallbackWarning`` says so:", 78, initial_indent="  ",
+      subsequent_indent="  ")
+  return "\n" + intro + "\n\n" + "\n".join(items) + "\n"
+
+
+def canonical_axes(ndim: int, axes) -> tuple[int, ...]:
+  """Flax's canonical form of ``axes``: non-negative and deduplicated.
+
+  The order is the set's iteration order, exactly as flax computes it, so a
+  parameter shape built from it is flax's.
+  """
+  if not isinstance(axes, Iterable):
+    axes = (axes,)
+  return tuple({ndim + a if a < 0 else a for a in axes})
+
+
+def trailing_start(ndim: int, axes: tuple[int, ...]) -> int | None:
+  """``k`` when ``axes`` are exactly the trailing axes ``k, ..., ndim - 1``; else None.
+
+  The kernels normalize over trailing axes only; None (including for no axes
+  at all) means the layer has to run the original's computation.
+  """
+  s = sorted(set(axes))
+  if not s or s != list(range(s[0], ndim)):
+    return None
+  return s[0]
+
+
+def plan_axes(x, reduction_axes, feature_axes=None):
+  """Where a flax-style layer normalizes ``x``, and whether the kernels can.
+
+  Args:
+    x: the input.
+    reduction_axes: flax's ``reduction_axes`` (int or sequence, negatives allowed).
+    feature_axes: flax's ``feature_axes``, or None to skip their check.
+
+  Returns:
+    ``(begin, feat, reason)``: the first normalized axis (None when the axes
+    are not trailing), the canonical feature axes, and the fallback reason
+    (None: the kernels compute it).
+  """
+  red = canonical_axes(x.ndim, reduction_axes)
+  feat = () if feature_axes is None else canonical_axes(x.ndim, feature_axes)
+  begin = trailing_start(x.ndim, red)
+  reason = None
+  if begin is None:
+    reason = f"reduction_axes={reduction_axes!r} (not the trailing axes of a {x.ndim}-D x)"
+  elif not set(feat) <= set(red):
+    reason = f"feature_axes={feature_axes!r} outside reduction_axes={reduction_axes!r}"
+  elif empty_reduction(x, begin):
+    reason = "a zero-sized normalized axis"
+  return begin, feat, reason
+
+
+def unsupported_dtypes(**dtypes) -> str | None:
+  """A reason to fall back when a dtype is not one the kernels compute in, else None."""
+  for name, dtype in dtypes.items():
+    if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+      return (f"{name} dtype {jnp.dtype(dtype)} (the kernels take float32, float16 and "
+              "bfloat16)")
+  return None
+
+
+def warn_fallback(layer: str, reason: str, original: str) -> None:
+  """The library's one-time ``FallbackWarning`` for a drop-in running the original's code."""
+  _implementation._warn_once(
+      f"{layer}: {reason} is not covered by the jax_normgrad kernels; running {original}'s own "
+      "pure-JAX computation instead (the original's numbers, XLA's autodiff).")
+
+
+def _kernel_input(x, out_dtype):
+  """x as the kernels should read it so that y is rounded once, to ``out_dtype``.
+
+  The kernels compute in float32 and round y once to x's dtype. Where the
+  output dtype differs from x's (a bfloat16 x with float32 parameters gives a
+  float32 y in flax), x is widened to float32 first (exactly), so y is not
+  rounded to x's dtype on the way.
+  """
+  return x if x.dtype == out_dtype else x.astype(F32)
+
+
+def _param(p, shape):
+  """A parameter as float32 (exactly: every supported dtype widens losslessly), broadcast to ``shape``.
+
+  The kernels take float32 parameters with any x; the cast's transpose rounds
+  the float32 parameter gradient once to the parameter's own dtype.
+  """
+  return None if p is None else jnp.broadcast_to(p.astype(F32), shape)
+
+
+def norm(x, weight, bias, *, begin: int, eps: float, centered: bool, out_dtype, implementation):
+  """LayerNorm (``centered``) or RMSNorm of ``x`` over its axes ``begin, ...``, on the kernels.
+
+  ``y = (x - mean) * rstd * weight + bias`` (RMSNorm: no mean), statistics in
+  float32, y rounded once to ``out_dtype``.
+
+  Args:
+    x: float32, float16 or bfloat16 array.
+    weight, bias: None or arrays broadcastable to ``x.shape[begin:]``, any
+      supported dtype.
+    begin: the first normalized axis; the normalized axes are the trailing ones.
+    eps: float >= 0 added to the variance (mean square).
+    centered: False for RMSNorm.
+    out_dtype: y's dtype, one of the supported dtypes.
+    implementation: passed to :func:`jax_normgrad.layer_norm` / ``rms_norm``.
+
+  Returns:
+    y with x's shape, in ``out_dtype``.
+  """
+  norm_shape = x.shape[begin:]
+  w, b = _param(weight, norm_shape), _param(bias, norm_shape)
+  xk = _kernel_input(x, out_dtype)
+  if centered:
+    y = jn.layer_norm(xk, w, b, normalized_shape=norm_shape, eps=eps,
+                      implementation=implementation)
+  elif b is None:
+    y = jn.rms_norm(xk, w, normalized_shape=norm_shape, eps=eps, implementation=implementation)
+  else:
+    # rms_norm has no bias: add it in float32 so y is still rounded once.
+    y = jn.rms_norm(xk.astype(F32), w, normalized_shape=norm_shape, eps=eps,
+                    implementation=implementation) + b
+  return y.astype(out_dtype)
+
+
+def group_norm(x, num_groups: int, weight, bias, *, batch_ndim: int, channels_last: bool,
+               eps: float, out_dtype, implementation):
+  """GroupNorm of ``x`` on the kernels, statistics per (sample, group), y rounded once to ``out_dtype``.
+
+  ``x`` is ``batch + (spatial..., C)`` (``channels_last``) or ``batch + (C,
+  spatial...)``: the leading ``batch_ndim`` axes are samples (none: one
+  sample), C channels, the rest spatial. It is viewed, without a transpose,
+  as ``(N, HxW, C)`` or ``(N, C, HxW)``.
+
+  Args:
+    x: float32, float16 or bfloat16 array.
+    num_groups: the number of groups; divides C.
+    weight, bias: None or ``(C,)`` arrays of any supported dtype.
+    batch_ndim: how many leading axes are samples.
+    channels_last: channels on the last axis, else right after the samples.
+    eps: float >= 0.
+    out_dtype: y's dtype, one of the supported dtypes.
+    implementation: passed to :func:`jax_normgrad.group_norm`.
+
+  Returns:
+    y with x's shape, in ``out_dtype``.
+  """
+  n = math.prod(x.shape[:batch_ndim])
+  c = x.shape[-1] if channels_last else x.shape[batch_ndim]
+  hw = math.prod(x.shape[batch_ndim:]) // c
+  shape = (n, hw, c) if channels_last else (n, c, hw)
+  y = jn.group_norm(_kernel_input(x, out_dtype).reshape(shape), num_groups, _param(weight, (c,)),
+                    _param(bias, (c,)), eps=eps, channel_axis=-1 if channels_last else 1,
+                    implementation=implementation)
+  return y.reshape(x.shape).astype(out_dtype)
+
+
+def empty_reduction(x, begin: int) -> bool:
+  """A zero-sized normalized axis: no statistics to compute (the kernels refuse it)."""
+  return math.prod(x.shape[begin:]) == 0
+
+
+def init_with_implementation(original):
+  """An ``__init__`` that is ``original.__init__`` plus a keyword ``implementation=None``.
+
+  Its signature is shown as the original's with that keyword added, so
+  ``inspect.signature`` and help() list the original's arguments and defaults.
+  """
+
+  def __init__(self, *args, implementation: str | None = None, **kwargs):
+    original.__init__(self, *args, **kwargs)
+    self.implementation = implementation
+
+  sig = inspect.signature(original.__init__)
+  params = list(sig.parameters.values())
+  extra = inspect.Parameter("implementation", inspect.Parameter.KEYWORD_ONLY, default=None)
+  # Keyword-only parameters go before a trailing **kwargs, if any.
+  at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD),
+            len(params))
+  __init__.__signature__ = sig.replace(parameters=params[:at] + [extra] + params[at:])
+  __init__.__doc__ = original.__init__.__doc__
+  return __init__

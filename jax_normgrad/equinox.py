@@ -1,0 +1,152 @@
+"""Drop-in ``equinox.nn`` LayerNorm, GroupNorm and RMSNorm (subclasses of equinox's) whose backward runs the jax_normgrad kernels."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from jax_normgrad import _layers
+
+# Subclassing equinox's classes keeps their ``__init__`` (arguments, defaults, checks),
+# fields and leaves (``weight``, ``bias``), so ``eqx.tree_serialise_leaves`` checkpoints
+# load unchanged; ``implementation`` is one more static field. Needs the ``equinox``
+# extra; ``import jax_normgrad`` does not import this module.
+__all__ = ["GroupNorm", "LayerNorm", "RMSNorm"]
+
+# Tells "no state passed" from any state (equinox's own marker is private).
+_NO_STATE = object()
+
+_FALLBACK_CASES = [
+    "an x dtype other than float32, float16, bfloat16 (equinox computes in "
+    "``result_type(x, float32)``: float64 under ``jax_enable_x64``, for example)",
+    "a 0-d or zero-sized x",
+]
+
+
+def _fallback_reason(x):
+  """Why the kernels cannot compute equinox's numbers for ``x``, else None."""
+  reason = _layers.unsupported_dtypes(x=x.dtype)
+  if reason is None and x.ndim == 0:
+    reason = "a 0-d x (no axis to normalize)"
+  elif reason is None and x.size == 0:
+    reason = "a zero-sized x"
+  return reason
+
+
+def _with_state(out, state):
+  return out if state is _NO_STATE else (out, state)
+
+
+def _f32(p):
+  """equinox casts its parameters to the compute dtype, float32 for every supported x."""
+  return None if p is None else p.astype(jnp.float32)
+
+
+def _call(mdl, original, x, state, key, *, centered: bool):
+  """LayerNorm / RMSNorm ``__call__``: the kernels, or ``original``'s own code."""
+  x = jnp.asarray(x)  # as equinox's jnp code sees it
+  if x.shape != mdl.shape:
+    return original.__call__(mdl, x, *(() if state is _NO_STATE else (state,)), key=key)
+  reason = _fallback_reason(x)
+  if reason is not None:
+    _layers.warn_fallback(f"jax_normgrad.equinox.{original.__name__}", reason,
+                          f"equinox.nn.{original.__name__}")
+    return original.__call__(mdl, x, *(() if state is _NO_STATE else (state,)), key=key)
+  with jax.named_scope(f"jax_normgrad.equinox.{original.__name__}"):
+    out = _layers.norm(x, _f32(mdl.weight) if mdl.use_weight else None,
+                       _f32(mdl.bias) if mdl.use_bias else None, begin=0, eps=mdl.eps,
+                       centered=centered, out_dtype=x.dtype, implementation=mdl.implementation)
+  return _with_state(out, state)
+
+
+class LayerNorm(eqx.nn.LayerNorm):
+  __doc__ = f"""``equinox.nn.LayerNorm`` whose backward runs the jax_normgrad kernels.
+
+  ``LayerNorm(shape, eps=1e-5, use_weight=True, use_bias=True, dtype=None, *,
+  elementwise_affine=None, implementation=None)``: equinox's arguments and
+  defaults, plus ``implementation``. Normalizes the whole of ``x`` (shape
+  ``shape``; ``jax.vmap`` over a batch), statistics in float32, parameters
+  cast to float32, the output in x's dtype::
+
+      y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias
+
+  Call: ``layer(x, state=..., *, key=None)`` -> y, or ``(y, state)`` when a
+  state is passed (equinox's BatchNorm-compatible form).
+  {_layers.fallback_doc("equinox.nn.LayerNorm", _FALLBACK_CASES)}
+  Raises: equinox's ``ValueError`` when ``x.shape != shape``.
+  """
+
+  implementation: str | None = eqx.field(static=True, default=None)
+
+  __init__ = _layers.init_with_implementation(eqx.nn.LayerNorm)
+
+  def __call__(self, x, state=_NO_STATE, *, key=None):
+    return _call(self, eqx.nn.LayerNorm, x, state, key, centered=True)
+
+
+class RMSNorm(eqx.nn.RMSNorm):
+  __doc__ = f"""``equinox.nn.RMSNorm`` whose backward runs the jax_normgrad kernels.
+
+  ``RMSNorm(shape, eps=1e-5, use_weight=True, use_bias=True, dtype=None, *,
+  implementation=None)``: equinox's arguments and defaults (a bias
+  included), plus ``implementation``. Over the whole of ``x`` (shape
+  ``shape``), in float32, the output in x's dtype::
+
+      y = x / sqrt(mean(x^2) + eps) * weight + bias
+
+  With a bias and a 16-bit x the kernels run on x widened to float32 (the
+  RMSNorm kernel has no bias; so y is still rounded once).
+  {_layers.fallback_doc("equinox.nn.RMSNorm", _FALLBACK_CASES)}
+  Raises: equinox's ``ValueError`` when ``x.shape != shape``.
+  """
+
+  implementation: str | None = eqx.field(static=True, default=None)
+
+  __init__ = _layers.init_with_implementation(eqx.nn.RMSNorm)
+
+  def __call__(self, x, state=_NO_STATE, *, key=None):
+    return _call(self, eqx.nn.RMSNorm, x, state, key, centered=False)
+
+
+class GroupNorm(eqx.nn.GroupNorm):
+  __doc__ = f"""``equinox.nn.GroupNorm`` whose backward runs the jax_normgrad kernels.
+
+  ``GroupNorm(groups, channels=None, eps=1e-5, channelwise_affine=True,
+  dtype=None, *, implementation=None)``: equinox's arguments, defaults and
+  checks, plus ``implementation``. Channels first, no batch axis: x is
+  ``(channels, ...)`` (``jax.vmap`` over a batch); statistics per group of
+  ``channels/groups`` channels over all their elements, in float32;
+  ``weight``/``bias`` per channel, the output in x's dtype::
+
+      y = (x - mean_group) / sqrt(var_group + eps) * weight[c] + bias[c]
+
+  Runs :func:`jax_normgrad.group_norm` on x viewed as ``(1, C, HxW)`` (no
+  transpose; under ``vmap`` the batch becomes N).
+  {_layers.fallback_doc("equinox.nn.GroupNorm", _FALLBACK_CASES)}
+  Raises: what ``equinox.nn.GroupNorm`` raises (``groups`` not dividing the
+  channels, parameters of another length than x's channels).
+  """
+
+  implementation: str | None = eqx.field(static=True, default=None)
+
+  __init__ = _layers.init_with_implementation(eqx.nn.GroupNorm)
+
+  def __call__(self, x, state=_NO_STATE, *, key=None):
+    x = jnp.asarray(x)  # as equinox's jnp code sees it
+    args = () if state is _NO_STATE else (state,)
+    channels = x.shape[0] if x.ndim else 0
+    if (not channels or channels % self.groups
+        or (self.channelwise_affine and self.weight.shape != (channels,))):
+      return eqx.nn.GroupNorm.__call__(self, x, *args, key=key)  # equinox's result or error.
+    reason = _fallback_reason(x)
+    if reason is not None:
+      _layers.warn_fallback("jax_normgrad.equinox.GroupNorm", reason, "equinox.nn.GroupNorm")
+      return eqx.nn.GroupNorm.__call__(self, x, *args, key=key)
+    affine = self.channelwise_affine
+    with jax.named_scope("jax_normgrad.equinox.GroupNorm"):
+      out = _layers.group_norm(x, self.groups, _f32(self.weight) if affine else None,
+                               _f32(self.bias) if affine else None, batch_ndim=0,
+                               channels_last=False, eps=self.eps, out_dtype=x.dtype,
+                               implementation=self.implementation)
+    return _with_state(out, state)

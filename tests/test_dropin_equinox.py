@@ -1,0 +1,115 @@
+"""jax_normgrad.equinox against equinox.nn: leaves, outputs, gradients, state, fallbacks; optional imports."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dropin import (assert_trees_close, cotangent, expect_fallback, linear_loss, normal,
+                    random_like, run_jitted, tol_dtype)
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+
+def test_importing_jax_normgrad_imports_no_framework():
+  code = ("import sys, jax_normgrad\n"
+          "bad = [m for m in ('flax', 'equinox') if m in sys.modules]\n"
+          "assert not bad, bad")
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+eqx = pytest.importorskip("equinox")
+import jax_normgrad.equinox as je  # noqa: E402
+
+# (class name, args, kwargs, batched x shape (vmapped over axis 0), x dtype, kernel expected)
+CASES = [
+    ("LayerNorm", (32,), {}, (6, 32), F32, True),
+    ("LayerNorm", ((5, 32),), {"eps": 1e-3}, (4, 5, 32), F32, True),
+    ("LayerNorm", (32,), {"use_weight": False}, (6, 32), BF16, True),
+    ("LayerNorm", (32,), {"use_bias": False, "dtype": BF16}, (6, 32), F16, True),
+    ("LayerNorm", (32,), {"use_weight": False, "use_bias": False}, (6, 32), F32, True),
+    ("RMSNorm", (32,), {}, (6, 32), F32, True),
+    ("RMSNorm", (32,), {}, (6, 32), BF16, True),  # with a bias: float32 path
+    ("RMSNorm", ((5, 32),), {"use_bias": False}, (4, 5, 32), BF16, True),
+    ("RMSNorm", (32,), {"use_weight": False, "use_bias": False}, (6, 32), F32, True),
+    ("GroupNorm", (4, 16), {}, (3, 16, 5, 7), F32, True),  # (C, H, W) samples
+    ("GroupNorm", (2, 16), {"eps": 1e-3}, (3, 16, 9), BF16, True),
+    ("GroupNorm", (4,), {"channelwise_affine": False}, (3, 16, 6), F32, True),
+    ("GroupNorm", (2, 8), {}, (5, 8), F32, True),  # no spatial axes
+]
+
+
+@pytest.mark.parametrize("name,args,kwargs,shape,dtype,kernel", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[4].__name__}" for c in CASES])
+def test_equinox_matches_equinox(name, args, kwargs, shape, dtype, kernel):
+  ours = getattr(je, name)(*args, **kwargs)
+  theirs = getattr(eqx.nn, name)(*args, **kwargs)
+  assert isinstance(ours, getattr(eqx.nn, name))
+  assert_trees_close(ours, theirs, "leaves")  # the same paths (weight, bias), shapes, dtypes
+  # The original's (non-trivial) parameters, loaded into ours through a serialised checkpoint.
+  theirs = random_like(theirs)
+  buf = io.BytesIO()
+  eqx.tree_serialise_leaves(buf, theirs)
+  buf.seek(0)
+  ours = eqx.tree_deserialise_leaves(buf, ours)
+  x = normal(shape, dtype)
+  ct = cotangent(shape)
+  low = tol_dtype(dtype, kwargs.get("dtype"))
+
+  def run(m):
+    y = lambda m, x: jax.vmap(m)(x)
+    loss = lambda m, x: linear_loss(y(m, x), ct)
+    return run_jitted(lambda m, x: (y(m, x), jax.value_and_grad(loss, argnums=(0, 1))(m, x)), m, x)
+
+  with expect_fallback(not kernel):
+    ours_out, calls = run(ours)
+  theirs_out, _ = run(theirs)
+  assert_trees_close(ours_out, theirs_out, "y, loss, grads", low)
+  assert (calls > 0) == kernel
+
+
+def test_equinox_state_and_key_pass_through():
+  m = je.LayerNorm(8)
+  x = normal((8,))
+  y, state = m(x, "state", key=jax.random.key(0))
+  assert state == "state"
+  assert_trees_close(y, eqx.nn.LayerNorm(8)(x))
+
+
+def test_equinox_float64_falls_back():
+  with jax.enable_x64(True):
+    x = jnp.linspace(-1, 1, 16, dtype=jnp.float64)
+    with expect_fallback(True):
+      y = je.RMSNorm(16)(x)
+    assert y.dtype == jnp.float64
+    assert_trees_close(y, eqx.nn.RMSNorm(16)(x))
+
+
+def test_equinox_errors_are_equinox_errors():
+  for ours, theirs, x in ((je.LayerNorm(8), eqx.nn.LayerNorm(8), jnp.ones((2, 8))),
+                          (je.GroupNorm(3, 6), eqx.nn.GroupNorm(3, 6), jnp.ones((8, 4)))):
+    with pytest.raises(Exception) as a:
+      ours(x)
+    with pytest.raises(Exception) as b:
+      theirs(x)
+    assert (type(a.value), str(a.value)) == (type(b.value), str(b.value))
+  with pytest.raises(ValueError, match="groups must divide"):
+    je.GroupNorm(4, 6)
+
+
+def test_equinox_constructor_is_equinox_constructor():
+  import inspect
+  for name in ("LayerNorm", "RMSNorm", "GroupNorm"):
+    ours = inspect.signature(getattr(je, name).__init__).parameters
+    theirs = inspect.signature(getattr(eqx.nn, name).__init__).parameters
+    assert list(ours)[:-1] == list(theirs) and list(ours)[-1] == "implementation"
+    assert all(ours[p].default is theirs[p].default for p in theirs)
+  m = je.GroupNorm(2, 4, implementation="xla")
+  assert m.implementation == "xla"
+  text = jax.jit(jax.grad(lambda m, x: jnp.sum(m(x) ** 2))).lower(m, jnp.ones((4, 3))).as_text()
+  assert "custom_call @jax_normgrad_" not in text
