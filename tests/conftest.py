@@ -1,7 +1,31 @@
-"""Shared pytest fixtures: deterministic random inputs."""
+"""Shared pytest set-up: which jax_normgrad is tested, deterministic random inputs."""
+
+import os
+import pathlib
+import sys
 
 import numpy as np
 import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _prefer_installed_package() -> None:
+  """Makes ``import jax_normgrad`` find the installed package, not the source tree.
+
+  ``python -m pytest`` (the README's command, run from the repository root)
+  puts the root first on sys.path, where ``jax_normgrad/`` has no compiled
+  extension: pip builds it into the installed copy. Dropping the root lets the
+  installed copy (or the build that PYTHONPATH names, as in .ci/sanitize) be
+  imported. An in-place build, with the extension beside the sources, keeps
+  the root; an editable install maps the package itself, whatever sys.path is.
+  """
+  if any((ROOT / "jax_normgrad").glob("_jax_normgrad*")):
+    return
+  sys.path[:] = [p for p in sys.path if pathlib.Path(p or os.curdir).resolve() != ROOT]
+
+
+_prefer_installed_package()
 
 
 @pytest.fixture
