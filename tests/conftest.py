@@ -1,9 +1,10 @@
-"""Shared pytest set-up: which jax_normgrad is tested, deterministic random inputs."""
+"""Shared pytest set-up: which jax_normgrad is tested, the hypothesis profiles, random inputs."""
 
 import os
 import pathlib
 import sys
 
+import hypothesis
 import numpy as np
 import pytest
 
@@ -27,6 +28,17 @@ def _prefer_installed_package() -> None:
 
 _prefer_installed_package()
 
+# The "ci" profile is the default, so the README's plain `python -m pytest -q`
+# (which CI runs verbatim) gets a fixed, derandomized example budget: the same
+# examples on every run, within the suite's time budget. Run more with
+# `python -m pytest --hypothesis-profile=thorough tests/test_properties.py`.
+hypothesis.settings.register_profile(
+    "ci", max_examples=50, derandomize=True, database=None, deadline=None, print_blob=True,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow])
+hypothesis.settings.register_profile(
+    "thorough", max_examples=400, deadline=None, print_blob=True,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow])
+hypothesis.settings.load_profile("ci")
 
 @pytest.fixture
 def rng():
