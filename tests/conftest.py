@@ -40,6 +40,37 @@ hypothesis.settings.register_profile(
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 hypothesis.settings.load_profile("ci")
 
+
+#: Set by .ci/sanitize: the session must test the sanitized build of the kernels.
+EXPECT_SANITIZED = "JAX_NORMGRAD_EXPECT_SANITIZED"
+
+
+def _extension():
+  """The compiled module the tests will use, or None when it does not import."""
+  try:
+    from jax_normgrad import _jax_normgrad
+  except ImportError:
+    return None
+  return _jax_normgrad
+
+
+def pytest_report_header(config):
+  ext = _extension()
+  if ext is None:
+    return ["jax_normgrad extension: not importable"]
+  return [f"jax_normgrad extension: {ext.__file__} "
+          f"(sanitizers: {getattr(ext, 'sanitizers', '') or 'none'})"]
+
+
+def pytest_sessionstart(session):
+  if os.environ.get(EXPECT_SANITIZED) == "1":
+    ext = _extension()
+    if ext is None or not getattr(ext, "sanitizers", ""):
+      where = ext.__file__ if ext is not None else "the extension (not importable)"
+      pytest.exit(f"{EXPECT_SANITIZED}=1 but {where} is not a sanitized build",
+                  returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
