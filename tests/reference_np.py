@@ -163,3 +163,21 @@ def rms_bwd(dy, x, norm_ndim, rstd, weight=None):
   g = dy * f64(weight) if weight is not None else dy
   dx = rstd * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True)) if x.size else np.zeros_like(x)
   return dx, (dy * xhat).sum(axis=tuple(range(x.ndim - norm_ndim)))
+
+
+def fwd_scales(x, rstd, weight=None):
+  """Error scales of a forward's (y, mean, rstd), for assert_close's ``scale``.
+
+  The float32 mean is a sum of terms of size |x|, off by about their rounding
+  however much they cancel; x - mean keeps that error, which in a row whose
+  spread is far below |x| (few elements, a large offset) is much more than a
+  rounding of y. So mean's scale is max|x|, y's is max|x| * max rstd *
+  max|weight| (the size of the terms that cancel), and rstd's is max rstd
+  times the same conditioning max|x| * max rstd.
+  """
+  x, rstd = np.abs(f64(x)), np.abs(f64(rstd))
+  if x.size == 0:
+    return 0.0, 0.0, 0.0
+  cond = float(np.max(x) * np.max(rstd))
+  w = float(np.max(np.abs(f64(weight)))) if weight is not None else 1.0
+  return cond * w, float(np.max(x)), cond * float(np.max(rstd))
