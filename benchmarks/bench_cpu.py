@@ -106,6 +106,34 @@ def torch_times(kind, shape, dtype, iters):
           "fwd_ms": 1e3 * float(np.median([fwd_once() for _ in range(iters)]))}
 
 
+def flax_grad_times(kind, shape, dtype, iters):
+  """jax.grad of flax.linen's layer vs of the jax_normgrad.flax drop-in, same input and params, ms.
+
+  LayerNorm on (rows, hidden); GroupNorm in Flax's channels-last layout (the
+  NCHW shape's channels moved last). None when flax is not installed.
+  """
+  try:
+    import flax.linen as nn
+    import jax_normgrad.flax as jnf
+  except ImportError:
+    return None
+  if kind == "ln":
+    x_shape, make = shape, lambda mod: mod.LayerNorm()
+  else:
+    n, c, h, w_, groups = shape
+    x_shape, make = (n, h, w_, c), lambda mod: mod.GroupNorm(num_groups=groups)
+  k = jax.random.split(jax.random.key(0), 2)
+  x = jax.random.normal(k[0], x_shape, jnp.float32).astype(dtype)
+  dy = jax.random.normal(k[1], x_shape, jnp.float32).astype(dtype)
+  out = {}
+  for who, mod in (("flax", nn), ("ours", jnf)):
+    layer = make(mod)
+    params = layer.init(jax.random.key(1), x)
+    loss = lambda p, x, dy: jnp.vdot(layer.apply(p, x).astype(jnp.float32), dy.astype(jnp.float32))
+    out[who] = _bench.median_ms(jax.jit(jax.grad(loss, argnums=(0, 1))), params, x, dy, iters=iters)
+  return out
+
+
 def measure(kind, shape, dtype, bandwidth, iters):
   wl = (_bench.layer_norm_workload(*shape, dtype) if kind == "ln"
         else _bench.group_norm_workload(*shape, dtype))
@@ -123,13 +151,17 @@ def measure(kind, shape, dtype, bandwidth, iters):
   if t:
     row["bwd_vs_torch"] = row["bwd_torch_ms"] / row["bwd_ours_ms"]
   row["grad_vs_xla"] = row["grad_xla_ms"] / row["grad_ours_ms"]
+  fl = flax_grad_times(kind, shape, dtype, iters)
+  if fl:
+    row["flax_grad_flax_ms"], row["flax_grad_ours_ms"] = fl["flax"], fl["ours"]
+    row["flax_grad_speedup"] = fl["flax"] / fl["ours"]
   return row
 
 
 def print_table(rows):
   print(f"{'workload':36s} {'floor':>6s} {'ours':>7s} {'XLA':>7s} {'torch':>7s}"
         f" {'xXLA':>6s} {'xtorch':>7s} {'/floor':>7s} | {'fwd ours':>8s} {'XLA':>7s} {'torch':>7s}"
-        f" | {'grad ours':>9s} {'XLA':>7s}")
+        f" | {'grad ours':>9s} {'XLA':>7s} | {'flax drop-in':>12s} {'flax.linen':>10s}")
   for r in rows:
     torch_b = f"{r['bwd_torch_ms']:7.2f}" if "bwd_torch_ms" in r else "      -"
     torch_f = f"{r['fwd_torch_ms']:7.2f}" if "fwd_torch_ms" in r else "      -"
@@ -137,7 +169,9 @@ def print_table(rows):
     print(f"{r['workload']:36s} {r['bwd_floor_ms']:6.2f} {r['bwd_ours_ms']:7.2f} "
           f"{r['bwd_xla_ms']:7.2f} {torch_b} {r['bwd_vs_xla']:5.1f}x {vs_t} "
           f"{r['bwd_vs_floor']:6.2f}x | {r['fwd_ours_ms']:8.2f} {r['fwd_xla_ms']:7.2f} {torch_f} | "
-          f"{r['grad_ours_ms']:9.2f} {r['grad_xla_ms']:7.2f}", flush=True)
+          f"{r['grad_ours_ms']:9.2f} {r['grad_xla_ms']:7.2f} | "
+          f"{r.get('flax_grad_ours_ms', float('nan')):12.2f} {r.get('flax_grad_flax_ms', float('nan')):10.2f}",
+          flush=True)
 
 
 def plot(rows, path):
