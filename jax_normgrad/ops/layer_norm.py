@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _validation as v
+from jax_normgrad import _sharding, _validation as v
 from jax_normgrad.ops._common import F32, as_f32, as_f32_weight, present, unmask
 from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
 
@@ -40,8 +40,8 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   dtype when ``write_xhat``, else None.
   """
   m, h = _rows_and_width(x, norm_ndim)
-  outs = list(layer_norm_fwd_p.bind(
-      x.reshape(m, h),
+  outs = list(_sharding.bind(
+      layer_norm_fwd_p,       x.reshape(m, h),
       *present(as_f32_weight(weight, (1, h), scale_offset), as_f32(bias, (1, h))), eps=eps,
       centered=centered, has_weight=weight is not None, has_bias=bias is not None,
       param_groups=1, write_xhat=write_xhat, implementation=implementation))
@@ -69,8 +69,8 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   stats = [as_f32(mean, (m,))] if centered and not normalized else []
   # An unused rstd travels as an empty operand (the kernel checks it is one).
   stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, (m,)))
-  outs = layer_norm_bwd_p.bind(
-      dy.reshape(m, h), x.reshape(m, h), *stats,
+  outs = _sharding.bind(
+      layer_norm_bwd_p,       dy.reshape(m, h), x.reshape(m, h), *stats,
       *present(as_f32_weight(weight, (1, h), scale_offset)), centered=centered,
       has_weight=weight is not None, output_mask=output_mask, param_groups=1,
       normalized=normalized, write_xhat=write_xhat, implementation=implementation)
@@ -237,7 +237,9 @@ def _norm_layer_bwd(cfg, res, dy):
                     normalized=cfg.save == "normalized")
   dw = None if dw is None else dw.astype(weight.dtype)
   db = None if db is None else db.astype(bias.dtype)
-  return dx, dw, db
+  # Under shard_map a replicated weight's gradient is the psum of the local ones.
+  return (_sharding.sum_to_varying(dx, x_or_xhat), _sharding.sum_to_varying(dw, weight),
+          _sharding.sum_to_varying(db, bias))
 
 
 _norm_layer.defvjp(_norm_layer_fwd, _norm_layer_bwd)
