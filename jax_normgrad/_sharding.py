@@ -58,42 +58,56 @@ def _spec_of(sharding, ndim):
   return spec + (None,) * (ndim - len(spec))
 
 
-def _row_axes(mesh, arg_shapes, in_factors, rows, op):
-  """The mesh axes that shard the rows: those of the first row-wise operand sharded on them.
+def _is_row(factor: str) -> bool:
+  return factor == ROW or (factor.startswith(ROW) and factor[len(ROW):].isdigit())
 
-  Also warns once when a non-row axis arrives sharded (it will be gathered).
+
+def _row_axes(mesh, arg_shapes, in_factors, op) -> dict[str, tuple[str, ...]]:
+  """Row dim name -> the mesh axes sharding it: those of the first operand sharded on that dim.
+
+  Warns once when a non-row axis arrives sharded (it will be gathered), or a
+  row dim does not divide evenly over its mesh axes (it is gathered too:
+  padded rows would add to the parameter gradients).
   """
-  axes = None
+  axes: dict[str, tuple[str, ...]] = {}
+  sizes: dict[str, int] = {}
   for shape, factors in zip(arg_shapes, in_factors):
     if not isinstance(shape.sharding, NamedSharding):
       continue
     spec = _spec_of(shape.sharding, len(shape.shape))
-    for f, entry in zip(factors, spec):
-      if f == ROW:
-        if axes is None and entry is not None:
-          axes = _axes_of(entry)
+    for f, entry, size in zip(factors, spec, shape.shape):
+      if _is_row(f):
+        sizes[f] = size
+        if f not in axes and entry is not None:
+          axes[f] = _axes_of(entry)
       elif entry is not None:
         _warn_once(
             f"jax_normgrad: {op} got an operand sharded along a normalized or parameter axis "
             f"({entry!r}); it is re-sharded to replicated (an all-gather per call) because the "
             f"kernel needs whole rows. Shard only the leading (batch / token) dims instead.")
-  axes = axes or ()
-  shards = math.prod(mesh.shape[a] for a in axes)
-  if axes and rows % shards:
-    _warn_once(
-        f"jax_normgrad: {op} has {rows} rows, not divisible over the {shards} devices of mesh "
-        f"axes {axes}; the rows are replicated (gathered) for this call.")
-    axes = ()
+  for f, a in list(axes.items()):
+    shards = math.prod(mesh.shape[n] for n in a)
+    if sizes[f] % shards:
+      _warn_once(
+          f"jax_normgrad: {op} has a row dim of {sizes[f]}, not divisible over the {shards} "
+          f"devices of mesh axes {a}; it is replicated (gathered) for this call.")
+      del axes[f]
   return axes
 
 
-#: primitive -> factors(avals_in, avals_out, **params) -> (in_factors, out_factors).
-_FACTORS: dict = {}
+#: primitive -> roles(n_operands, **params) -> (operand axis names, result axis names).
+_ROLES: dict = {}
 
 
-def register_factors(prim, factors: Callable) -> None:
-  """Registers how ``prim``'s operand and result axes are named (see :func:`bind`)."""
-  _FACTORS[prim] = factors
+def register_roles(prim, roles: Callable) -> None:
+  """Registers the axis names of ``prim``'s operands and results (see :func:`bind`).
+
+  ``roles(n_operands, **params)`` returns two lists with one tuple of names
+  per operand / result of the canonical primitive, ``ROW`` first for the
+  row-wise ones (e.g. ``("r", "h")`` for LayerNorm's x, ``("w", "h")`` for
+  its weight).
+  """
+  _ROLES[prim] = roles
 
 
 def _varying(a) -> frozenset:
@@ -129,28 +143,49 @@ def sum_to_varying(cotangent, primal):
   return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
-def bind(prim, *args, **params):
+def bind(prim, *args, lead: int = 1, **params):
   """``prim.bind(*args, **params)`` with the row-partitioning rule attached.
+
+  The row-wise operands are given with ``lead`` leading dims (e.g. ``(B, S,
+  H)`` x and ``(B, S)`` statistics for LayerNorm) and are merged into the
+  primitive's one row axis *on each device*: merging a dim sharded over one
+  mesh axis with a dim sharded over another is no local reshape, so doing it
+  before the call would gather x. Row-wise results come back with the same
+  ``lead`` leading dims; parameter operands and results are as the
+  primitive has them. Empty ``(0,)`` placeholder operands stay as they are.
 
   The primitive is called through a ``custom_partitioning`` function whose
   rule is described in this module's docstring. ``custom_partitioning`` has
-  no vmap or JVP rule of its own, so the call is wrapped in a
-  ``custom_jvp`` and a ``custom_vmap`` that hand those transformations to
-  the bare primitive (its folding batcher and reference JVP): the primal
-  path, which is what training runs, is partitioned, and ``vmap``,
-  ``jax.jvp``, ``grad(grad)`` and ``jax.hessian`` work as before (their
-  kernels run unpartitioned). Folded vmap batches (``param_groups > 1``) map
-  rows to parameter rows by position, so they stay unpartitioned too.
+  no vmap or JVP rule of its own, so the call is wrapped in a ``custom_jvp``
+  and a ``custom_vmap`` that hand those transformations to the bare
+  primitive (its folding batcher and reference JVP): the primal path, which
+  is what training runs, is partitioned, and ``vmap``, ``jax.jvp``,
+  ``grad(grad)`` and ``jax.hessian`` work as before (their kernels run
+  unpartitioned). Folded vmap batches (``param_groups > 1``) map rows to
+  parameter rows by position, so they stay unpartitioned too.
   """
   args = match_varying(args)
-  plain = lambda *a: prim.bind(*a, **params)
-  factors = _FACTORS.get(prim)
-  if factors is None or params.get("param_groups", 1) != 1:
-    return plain(*args)
-  avals_in = [jax.core.ShapedArray(a.shape, a.dtype) for a in args]
-  avals_out = jax.eval_shape(plain, *args)
-  in_factors, out_factors = factors(avals_in, avals_out, **params)
-  return _partitioned(prim.name, plain, in_factors, out_factors)(*args)
+  in_roles, out_roles = _ROLES[prim](len(args), **params)
+  row_in = [r[:1] == (ROW,) and a.shape != (0,) for r, a in zip(in_roles, args)]
+  row_out = [r[:1] == (ROW,) for r in out_roles]
+
+  def fn(*local):
+    lead_shape = next(a.shape[:lead] for a, r in zip(local, row_in) if r)
+    merged = [a.reshape((math.prod(lead_shape),) + a.shape[lead:]) if r else a
+              for a, r in zip(local, row_in)]
+    outs = prim.bind(*merged, **params)
+    return [o.reshape(lead_shape + o.shape[1:]) if r else o for o, r in zip(outs, row_out)]
+
+  if params.get("param_groups", 1) != 1 or not any(row_in) or lead < 1:
+    return fn(*args)
+  rows = (ROW,) + tuple(f"{ROW}{i}" for i in range(1, lead))
+  outs = jax.eval_shape(fn, *args)
+  name = lambda i, a, r, is_row: (f"e{i}",) if a.shape == (0,) and not is_row else (
+      rows + tuple(r[1:]) if is_row else tuple(r))
+  in_factors = [name(i, a, r, w) for i, (a, r, w) in enumerate(zip(args, in_roles, row_in))]
+  out_factors = [name(len(args) + i, o, r, w)
+                 for i, (o, r, w) in enumerate(zip(outs, out_roles, row_out))]
+  return _partitioned(prim.name, fn, in_factors, out_factors)(*args)
 
 
 def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
@@ -161,10 +196,10 @@ def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
     op: the primitive's name, for messages.
     fn: a function of the primitive's array operands returning its list of results.
     in_factors, out_factors: one tuple of factor names per operand / result,
-      one name per axis: ``ROW`` for the row axis, any other name for an axis
-      that must stay whole; operands and results sharing a name share the
-      axis (e.g. x's H and the weight's H). A result without ``ROW`` is a
-      sum over rows (a parameter gradient) and is ``psum``-ed.
+      one name per axis: the ``lead`` row dims (``ROW`` first), then names of
+      axes that must stay whole; operands and results sharing a name share
+      the axis (e.g. x's H and the weight's H). A result without ``ROW`` is
+      a sum over rows (a parameter gradient) and is ``psum``-ed.
   """
   in_factors = [tuple(f) for f in in_factors]
   out_factors = [tuple(f) for f in out_factors]
@@ -172,31 +207,27 @@ def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
           + ", ".join(" ".join(f) for f in out_factors))
 
   def shardings(mesh, factors, axes):
-    return tuple(
-        NamedSharding(mesh, PartitionSpec(*((axes or None) if f == ROW else None for f in fs)))
-        for fs in factors)
-
-  def rows_of(arg_shapes):
-    return next((s.shape[0] for s, f in zip(arg_shapes, in_factors) if f[:1] == (ROW,)), 0)
+    return tuple(NamedSharding(mesh, PartitionSpec(*(axes.get(f) for f in fs))) for fs in factors)
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    axes = _row_axes(mesh, arg_shapes, in_factors, rows_of(arg_shapes), op)
+    axes = _row_axes(mesh, arg_shapes, in_factors, op)
+    all_axes = tuple(n for a in axes.values() for n in a)
     reduced = [ROW not in f for f in out_factors]
 
     def lower_fn(*args):
       outs = list(fn(*args))
-      if axes:
-        # A parameter gradient is a sum over all rows: add the devices' partial sums.
-        outs = [jax.lax.psum(o, axes) if r else o for o, r in zip(outs, reduced)]
+      if all_axes:
+        # A parameter gradient is a sum over all rows: add the devices' partial sums
+        # over exactly the mesh axes that shard the rows.
+        outs = [jax.lax.psum(o, all_axes) if r else o for o, r in zip(outs, reduced)]
       return tuple(outs)
 
     return mesh, lower_fn, shardings(mesh, out_factors, axes), shardings(mesh, in_factors, axes)
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
-    return shardings(mesh, out_factors,
-                     _row_axes(mesh, arg_shapes, in_factors, rows_of(arg_shapes), op))
+    return shardings(mesh, out_factors, _row_axes(mesh, arg_shapes, in_factors, op))
 
   @custom_partitioning
   def call(*args):
@@ -213,7 +244,7 @@ def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
   def _vmap_rule(axis_size, in_batched, *args):
     del axis_size
     outs = jax.vmap(fn, in_axes=[0 if b else None for b in in_batched])(*args)
-    return list(outs), [True] * len(outs)
+    return tuple(outs), (True,) * len(outs)
 
   @jax.custom_jvp
   def with_rules(*args):

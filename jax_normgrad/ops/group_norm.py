@@ -46,7 +46,7 @@ def _check_params(weight, bias, x, c, weight_name="weight", bias_name="bias"):
 def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation):
   """Canonical forward: y with x's shape, float32 (N, G) mean and rstd."""
   y, mean, rstd = _sharding.bind(
-      group_norm_fwd_p,       x.reshape(_canonical_shape(n, c, hw, channels_last)),
+      group_norm_fwd_p, x.reshape(_canonical_shape(n, c, hw, channels_last)),
       *present(as_f32(weight, (1, c)), as_f32(bias, (1, c))), eps=eps, group=group,
       channels_last=channels_last, has_weight=weight is not None, has_bias=bias is not None,
       param_groups=1, implementation=implementation)
@@ -58,7 +58,8 @@ def _bwd(dy, x, mean, rstd, gamma, n, c, hw, group, output_mask, channels_last, 
   """Canonical backward; returns masked (dx in x's shape/dtype, float32 dgamma, dbeta)."""
   shape = _canonical_shape(n, c, hw, channels_last)
   outs = _sharding.bind(
-      group_norm_bwd_p,       dy.reshape(shape), x.reshape(shape), as_f32(mean, (n, group)), as_f32(rstd, (n, group)),
+      group_norm_bwd_p, dy.reshape(shape), x.reshape(shape), as_f32(mean, (n, group)),
+      as_f32(rstd, (n, group)),
       *present(as_f32(gamma, (1, c))), group=group, channels_last=channels_last,
       has_gamma=gamma is not None, output_mask=output_mask, param_groups=1,
       implementation=implementation)

@@ -12,22 +12,22 @@ from jax_normgrad import _implementation, _sharding
 
 
 def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None,
-                   factors=None) -> Primitive:
+                   roles=None) -> Primitive:
   """A multiple-result primitive with eager impl, lowerings, the folding batcher and a JVP rule.
 
   ``xla`` is the primitive's pure-JAX reference: a function of the operands
   and of the parameters other than ``implementation``. It lowers
   ``implementation="xla"`` and defines the derivatives (see ``_reference_jvp_rule``).
-  ``factors`` names the operands' and results' axes for the partitioning
-  rule (see ``jax_normgrad._sharding``).
+  ``roles`` names the operands' and results' axes for the partitioning
+  rule (see ``jax_normgrad._sharding.register_roles``).
   """
   prim = Primitive(name)
   prim.multiple_results = True
   prim.def_abstract_eval(_with_varying_axes(abstract_eval))
   _implementation.def_impl_via_jit(prim)
   _implementation.register_lowerings(prim, xla=xla, ffi=ffi, pallas=pallas)
-  if factors is not None:
-    _sharding.register_factors(prim, factors)
+  if roles is not None:
+    _sharding.register_roles(prim, roles)
   batching.primitive_batchers[prim] = _fold_batch_rule(prim)
   ad.primitive_jvps[prim] = _reference_jvp_rule(prim, xla)
   return prim
@@ -112,7 +112,3 @@ def _fold_batch_rule(prim):
 def shaped(shape, dtype) -> jax.core.ShapedArray:
   return jax.core.ShapedArray(tuple(shape), jnp.dtype(dtype))
 
-
-def axis_factors(avals, roles):
-  """Factor names for ``_sharding.partitioned``: ``roles[i]`` names array i's axes; empty arrays get their own."""
-  return [(f"e{i}",) if a.size == 0 else tuple(r) for i, (a, r) in enumerate(zip(avals, roles))]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jax_normgrad import _ffi, reference
 from jax_normgrad.pallas import group_norm as pallas_gn
-from jax_normgrad.primitives._common import axis_factors, make_primitive, shaped
+from jax_normgrad.primitives._common import make_primitive, shaped
 from jax_normgrad.primitives.layer_norm import _split_params
 
 F32 = jnp.float32
@@ -50,21 +50,20 @@ def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_
 
 
 def _roles(channels_last):
-  """Axis names for the partitioning rule: samples "r", channels "c", spatial "s", groups "g"."""
+  """Axis names for the partitioning rule (x, statistics, parameters): samples "r", channels "c", spatial "s", groups "g"."""
   x = ("r", "s", "c") if channels_last else ("r", "c", "s")
   return x, ("r", "g"), ("w", "c")
 
 
-def _fwd_factors(avals_in, avals_out, *, channels_last, **params):
+def _fwd_roles(n_in, *, channels_last, **params):
   del params
   x, stats, param = _roles(channels_last)
-  return (axis_factors(avals_in, [x] + [param] * (len(avals_in) - 1)),
-          axis_factors(avals_out, [x, stats, stats]))
+  return [x] + [param] * (n_in - 1), [x, stats, stats]
 
 
 group_norm_fwd_p = make_primitive("jax_normgrad_group_norm_fwd", _fwd_abstract,
                                   xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_gn.group_norm_fwd,
-                                  factors=_fwd_factors)
+                                  roles=_fwd_roles)
 
 
 # ----------------------------------------------------------------------------
@@ -100,13 +99,12 @@ def _bwd_ffi(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_
   return [o for o, m in zip(outs, output_mask) if m]
 
 
-def _bwd_factors(avals_in, avals_out, *, channels_last, has_gamma, output_mask, **params):
-  del params
+def _bwd_roles(n_in, *, channels_last, has_gamma, output_mask, **params):
+  del n_in, params
   x, stats, param = _roles(channels_last)
-  return (axis_factors(avals_in, [x, x, stats, stats] + [param] * has_gamma),
-          axis_factors(avals_out, [x] * output_mask[0] + [param] * sum(output_mask[1:])))
+  return [x, x, stats, stats] + [param] * has_gamma, [x] * output_mask[0] + [param] * sum(output_mask[1:])
 
 
 group_norm_bwd_p = make_primitive("jax_normgrad_group_norm_bwd", _bwd_abstract,
                                   xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_gn.group_norm_bwd,
-                                  factors=_bwd_factors)
+                                  roles=_bwd_roles)

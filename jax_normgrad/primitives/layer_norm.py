@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_normgrad import _ffi, reference
 from jax_normgrad.pallas import layer_norm as pallas_ln
-from jax_normgrad.primitives._common import axis_factors, make_primitive, shaped
+from jax_normgrad.primitives._common import make_primitive, shaped
 
 F32 = jnp.float32
 
@@ -62,21 +62,19 @@ def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, writ
   return [y] + ([mean] if centered else []) + [rstd] + ([xhat] if write_xhat else [])
 
 
-# Axis names for the partitioning rule: rows "r", the normalized width "h",
-# parameter rows "w".
+# Axis names for the partitioning rule (``_sharding.register_roles``): rows
+# "r", the normalized width "h", parameter rows "w".
 _ROWS, _STATS, _PARAM = ("r", "h"), ("r",), ("w", "h")
 
 
-def _fwd_factors(avals_in, avals_out, **params):
+def _fwd_roles(n_in, *, centered, write_xhat, **params):
   del params
-  return (axis_factors(avals_in, [_ROWS] + [_PARAM] * (len(avals_in) - 1)),
-          axis_factors(avals_out, [_ROWS] + [_STATS if a.ndim == 1 else _ROWS
-                                             for a in avals_out[1:]]))
+  return [_ROWS] + [_PARAM] * (n_in - 1), [_ROWS] + [_STATS] * (1 + centered) + [_ROWS] * write_xhat
 
 
 layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
                                   xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_ln.layer_norm_fwd,
-                                  factors=_fwd_factors)
+                                  roles=_fwd_roles)
 
 
 # ----------------------------------------------------------------------------
@@ -118,14 +116,13 @@ def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups, norm
   return [o for o, m in zip(outs, mask + (write_xhat,)) if m]
 
 
-def _bwd_factors(avals_in, avals_out, *, has_weight, output_mask, write_xhat, **params):
+def _bwd_roles(n_in, *, has_weight, output_mask, write_xhat, **params):
   del params
-  n_stats = len(avals_in) - 2 - has_weight
-  in_roles = [_ROWS, _ROWS] + [_STATS] * n_stats + [_PARAM] * has_weight
-  out_roles = [_ROWS] * output_mask[0] + [_PARAM] * sum(output_mask[1:]) + [_ROWS] * write_xhat
-  return axis_factors(avals_in, in_roles), axis_factors(avals_out, out_roles)
+  n_stats = n_in - 2 - has_weight
+  return ([_ROWS, _ROWS] + [_STATS] * n_stats + [_PARAM] * has_weight,
+          [_ROWS] * output_mask[0] + [_PARAM] * sum(output_mask[1:]) + [_ROWS] * write_xhat)
 
 
 layer_norm_bwd_p = make_primitive("jax_normgrad_layer_norm_bwd", _bwd_abstract,
                                   xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_ln.layer_norm_bwd,
-                                  factors=_bwd_factors)
+                                  roles=_bwd_roles)
