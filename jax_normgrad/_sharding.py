@@ -16,10 +16,10 @@ for GroupNorm) or a parameter array (weight, bias and their gradients, shape
   time this happens a :class:`ShardingWarning` says so, since it costs an
   all-gather of x (and dy) per call.
 
-The rule is attached at lowering time (``partitioned`` wraps the lowering of
-the chosen implementation), after vmap, JVP and transposition have run on
-the primitive, so it composes with all of them; on one device and inside
-``shard_map`` (all axes manual) JAX inlines the kernel as before.
+The public ops call :func:`bind` instead of ``prim.bind``. On one device and
+inside ``shard_map`` (all mesh axes manual) JAX inlines the kernel as
+before; :func:`match_varying` and :func:`sum_to_varying` give the ops and
+layers ``shard_map``'s varying-axes typing.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ def test_on_eight_devices():
   if IN_CHILD:
     pytest.skip("this is the child process")
   env = dict(os.environ, **{_CHILD: "1"})
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+  flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = flags.strip()
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                         env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -146,6 +147,11 @@ def test_backward_ops_called_directly():
   sharded = [_put(a, mesh, "d") for a in args[:4]] + [_put(W, mesh), _put(B, mesh)]
   _close(ln_bwd(*sharded), ln_bwd(*args))
   _check_local(_hlo(ln_bwd, *sharded), "jax_normgrad_layer_norm_bwd", (16, 64))
+  # AscendC's LayerNormGradBeta: only parameter gradients, an empty rstd operand.
+  beta = jax.jit(lambda dy, r: jn.layer_norm_grad_beta(dy, r))
+  _close(beta(_put(dy, mesh, "d"), _put(X, mesh, "d")), beta(dy, X))
+  _check_local(_hlo(beta, _put(dy, mesh, "d"), _put(X, mesh, "d")),
+               "jax_normgrad_layer_norm_bwd", (16, 64))
 
   x = _normal(7, (16, 32, 16))
   gy = _normal(8, x.shape)

@@ -34,7 +34,7 @@ def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None,
 
 
 def _with_varying_axes(abstract_eval):
-  """Inside ``shard_map`` (``check_vma``) the results vary over the mesh axes the operands vary over.
+  """Inside ``shard_map`` (``check_vma``) the results vary over the axes the operands vary over.
 
   ``_sharding.bind`` first casts every operand to the union of their varying
   axes (as JAX does for its own primitives), so the first operand carries

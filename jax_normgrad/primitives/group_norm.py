@@ -50,7 +50,10 @@ def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_
 
 
 def _roles(channels_last):
-  """Axis names for the partitioning rule (x, statistics, parameters): samples "r", channels "c", spatial "s", groups "g"."""
+  """Axis names of (x, statistics, parameters) for the partitioning rule.
+
+  Samples "r", channels "c", spatial "s", groups "g", parameter rows "w".
+  """
   x = ("r", "s", "c") if channels_last else ("r", "c", "s")
   return x, ("r", "g"), ("w", "c")
 
@@ -102,7 +105,8 @@ def _bwd_ffi(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_
 def _bwd_roles(n_in, *, channels_last, has_gamma, output_mask, **params):
   del n_in, params
   x, stats, param = _roles(channels_last)
-  return [x, x, stats, stats] + [param] * has_gamma, [x] * output_mask[0] + [param] * sum(output_mask[1:])
+  return ([x, x, stats, stats] + [param] * has_gamma,
+          [x] * output_mask[0] + [param] * sum(output_mask[1:]))
 
 
 group_norm_bwd_p = make_primitive("jax_normgrad_group_norm_bwd", _bwd_abstract,
