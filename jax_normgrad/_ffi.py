@@ -28,6 +28,25 @@ TARGETS = (
 EMPTY_F32 = np.zeros((0,), np.float32)
 
 
+def export_safety_checks() -> list:
+  """The ``jax.export`` safety checks to disable for a function that runs these kernels.
+
+  ``jax.export`` refuses custom calls it does not know to be stable; these
+  targets are this package's own (CPU), registered again by
+  ``import jax_normgrad`` in the process that deserializes and calls::
+
+      exported = jax.export.export(jax.jit(f),
+                                   disabled_checks=jax_normgrad.export_safety_checks())(*args)
+      blob = exported.serialize()
+      # later, after `import jax_normgrad`:
+      jax.export.deserialize(blob).call(*args)
+
+  Returns:
+    ``[jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]``.
+  """
+  return [jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]
+
+
 def available() -> bool:
   return _ext is not None
 

@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _validation as v
+from jax_normgrad import _sharding, _validation as v
 from jax_normgrad.ops._common import as_f32, present, unmask
 from jax_normgrad.primitives.group_norm import group_norm_bwd_p, group_norm_fwd_p
 
@@ -45,8 +45,8 @@ def _check_params(weight, bias, x, c, weight_name="weight", bias_name="bias"):
 
 def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation):
   """Canonical forward: y with x's shape, float32 (N, G) mean and rstd."""
-  y, mean, rstd = group_norm_fwd_p.bind(
-      x.reshape(_canonical_shape(n, c, hw, channels_last)),
+  y, mean, rstd = _sharding.bind(
+      group_norm_fwd_p, x.reshape(_canonical_shape(n, c, hw, channels_last)),
       *present(as_f32(weight, (1, c)), as_f32(bias, (1, c))), eps=eps, group=group,
       channels_last=channels_last, has_weight=weight is not None, has_bias=bias is not None,
       param_groups=1, implementation=implementation)
@@ -57,8 +57,9 @@ def _bwd(dy, x, mean, rstd, gamma, n, c, hw, group, output_mask, channels_last, 
          param_shape):
   """Canonical backward; returns masked (dx in x's shape/dtype, float32 dgamma, dbeta)."""
   shape = _canonical_shape(n, c, hw, channels_last)
-  outs = group_norm_bwd_p.bind(
-      dy.reshape(shape), x.reshape(shape), as_f32(mean, (n, group)), as_f32(rstd, (n, group)),
+  outs = _sharding.bind(
+      group_norm_bwd_p, dy.reshape(shape), x.reshape(shape), as_f32(mean, (n, group)),
+      as_f32(rstd, (n, group)),
       *present(as_f32(gamma, (1, c))), group=group, channels_last=channels_last,
       has_gamma=gamma is not None, output_mask=output_mask, param_groups=1,
       implementation=implementation)
@@ -181,7 +182,9 @@ def _group_norm_vjp_bwd(layout, group, eps, channels_last, implementation, res, 
                     implementation, (c,))
   dw = None if dw is None else dw.astype(weight.dtype)
   db = None if db is None else db.astype(bias.dtype)
-  return dx, dw, db
+  # Under shard_map a replicated weight's gradient is the psum of the local ones.
+  return (_sharding.sum_to_varying(dx, x), _sharding.sum_to_varying(dw, weight),
+          _sharding.sum_to_varying(db, bias))
 
 
 _group_norm.defvjp(_group_norm_vjp_fwd, _group_norm_vjp_bwd)

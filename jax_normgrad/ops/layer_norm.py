@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _validation as v
+from jax_normgrad import _sharding, _validation as v
 from jax_normgrad.ops._common import F32, as_f32, as_f32_weight, present, unmask
 from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
 
@@ -36,14 +36,17 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   """Canonical forward (LayerNorm, or RMSNorm when not ``centered``).
 
   Returns ``(y, mean, rstd, xhat)``: y with x's shape and dtype; float32
-  ``(M,)`` mean (None when not centered) and rstd; xhat with x's shape and
-  dtype when ``write_xhat``, else None.
+  mean (None when not centered) and rstd of shape ``A``, x's leading dims;
+  xhat with x's shape and dtype when ``write_xhat``, else None. The leading
+  dims are merged into rows on each device (see ``_sharding.bind``), so a
+  sharded batch or sequence dim stays sharded.
   """
-  m, h = _rows_and_width(x, norm_ndim)
-  outs = list(layer_norm_fwd_p.bind(
-      x.reshape(m, h),
-      *present(as_f32_weight(weight, (1, h), scale_offset), as_f32(bias, (1, h))), eps=eps,
-      centered=centered, has_weight=weight is not None, has_bias=bias is not None,
+  lead = x.ndim - norm_ndim
+  _, h = _rows_and_width(x, norm_ndim)
+  outs = list(_sharding.bind(
+      layer_norm_fwd_p, x.reshape(x.shape[:lead] + (h,)),
+      *present(as_f32_weight(weight, (1, h), scale_offset), as_f32(bias, (1, h))), lead=lead,
+      eps=eps, centered=centered, has_weight=weight is not None, has_bias=bias is not None,
       param_groups=1, write_xhat=write_xhat, implementation=implementation))
   y = outs.pop(0).reshape(x.shape)
   mean = outs.pop(0) if centered else None
@@ -61,17 +64,20 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   scales grad_input (it may be None when ``output_mask[0]`` is False).
   Returns the masked ``(dx, dweight, dbias)``, dx with x's shape and dtype,
   the parameter gradients float32 with the normalized shape; then xhat (x's
-  shape and dtype) when ``write_xhat``.
+  shape and dtype) when ``write_xhat``. As in ``_fwd``, x's leading dims
+  are merged into rows on each device.
   """
-  norm_shape = x.shape[x.ndim - norm_ndim:]
-  m, h = _rows_and_width(x, norm_ndim)
+  lead = x.ndim - norm_ndim
+  norm_shape = x.shape[lead:]
+  _, h = _rows_and_width(x, norm_ndim)
   output_mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
-  stats = [as_f32(mean, (m,))] if centered and not normalized else []
+  rows = x.shape[:lead] + (h,)
+  stats = [as_f32(mean, x.shape[:lead])] if centered and not normalized else []
   # An unused rstd travels as an empty operand (the kernel checks it is one).
-  stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, (m,)))
-  outs = layer_norm_bwd_p.bind(
-      dy.reshape(m, h), x.reshape(m, h), *stats,
-      *present(as_f32_weight(weight, (1, h), scale_offset)), centered=centered,
+  stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, x.shape[:lead]))
+  outs = _sharding.bind(
+      layer_norm_bwd_p, dy.reshape(rows), x.reshape(rows), *stats,
+      *present(as_f32_weight(weight, (1, h), scale_offset)), lead=lead, centered=centered,
       has_weight=weight is not None, output_mask=output_mask, param_groups=1,
       normalized=normalized, write_xhat=write_xhat, implementation=implementation)
   to_x = lambda a: a.reshape(x.shape)
@@ -237,7 +243,9 @@ def _norm_layer_bwd(cfg, res, dy):
                     normalized=cfg.save == "normalized")
   dw = None if dw is None else dw.astype(weight.dtype)
   db = None if db is None else db.astype(bias.dtype)
-  return dx, dw, db
+  # Under shard_map a replicated weight's gradient is the psum of the local ones.
+  return (_sharding.sum_to_varying(dx, x_or_xhat), _sharding.sum_to_varying(dw, weight),
+          _sharding.sum_to_varying(db, bias))
 
 
 _norm_layer.defvjp(_norm_layer_fwd, _norm_layer_bwd)

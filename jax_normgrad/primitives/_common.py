@@ -6,25 +6,52 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
+from jax.sharding import PartitionSpec
 
-from jax_normgrad import _implementation
+from jax_normgrad import _implementation, _sharding
 
 
-def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None) -> Primitive:
+def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None,
+                   roles=None) -> Primitive:
   """A multiple-result primitive with eager impl, lowerings, the folding batcher and a JVP rule.
 
   ``xla`` is the primitive's pure-JAX reference: a function of the operands
   and of the parameters other than ``implementation``. It lowers
   ``implementation="xla"`` and defines the derivatives (see ``_reference_jvp_rule``).
+  ``roles`` names the operands' and results' axes for the partitioning
+  rule (see ``jax_normgrad._sharding.register_roles``).
   """
   prim = Primitive(name)
   prim.multiple_results = True
-  prim.def_abstract_eval(abstract_eval)
+  prim.def_abstract_eval(_with_varying_axes(abstract_eval))
   _implementation.def_impl_via_jit(prim)
   _implementation.register_lowerings(prim, xla=xla, ffi=ffi, pallas=pallas)
+  if roles is not None:
+    _sharding.register_roles(prim, roles)
   batching.primitive_batchers[prim] = _fold_batch_rule(prim)
   ad.primitive_jvps[prim] = _reference_jvp_rule(prim, xla)
   return prim
+
+
+def _with_varying_axes(abstract_eval):
+  """Inside ``shard_map`` (``check_vma``) the results vary over the axes the operands vary over.
+
+  ``_sharding.bind`` first casts every operand to the union of their varying
+  axes (as JAX does for its own primitives), so the first operand carries
+  the type the results take.
+  """
+
+  def rule(*avals, **params):
+    outs = abstract_eval(*avals, **params)
+    ref = avals[0] if avals else None
+    mat = getattr(ref, "mat", None)
+    if mat is None or not mat.varying:
+      return outs
+    return [ref.update(shape=o.shape, dtype=o.dtype, weak_type=False,
+                       sharding=ref.sharding.update(spec=PartitionSpec(*[None] * o.ndim)))
+            for o in outs]
+
+  return rule
 
 
 def _reference_jvp_rule(prim, reference_fn):
@@ -84,3 +111,4 @@ def _fold_batch_rule(prim):
 
 def shaped(shape, dtype) -> jax.core.ShapedArray:
   return jax.core.ShapedArray(tuple(shape), jnp.dtype(dtype))
+

@@ -49,8 +49,24 @@ def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_
                         channels_last=channels_last, has_weight=has_weight, has_bias=has_bias))
 
 
+def _roles(channels_last):
+  """Axis names of (x, statistics, parameters) for the partitioning rule.
+
+  Samples "r", channels "c", spatial "s", groups "g", parameter rows "w".
+  """
+  x = ("r", "s", "c") if channels_last else ("r", "c", "s")
+  return x, ("r", "g"), ("w", "c")
+
+
+def _fwd_roles(n_in, *, channels_last, **params):
+  del params
+  x, stats, param = _roles(channels_last)
+  return [x] + [param] * (n_in - 1), [x, stats, stats]
+
+
 group_norm_fwd_p = make_primitive("jax_normgrad_group_norm_fwd", _fwd_abstract,
-                                  xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_gn.group_norm_fwd)
+                                  xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_gn.group_norm_fwd,
+                                  roles=_fwd_roles)
 
 
 # ----------------------------------------------------------------------------
@@ -86,5 +102,13 @@ def _bwd_ffi(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_
   return [o for o, m in zip(outs, output_mask) if m]
 
 
+def _bwd_roles(n_in, *, channels_last, has_gamma, output_mask, **params):
+  del n_in, params
+  x, stats, param = _roles(channels_last)
+  return ([x, x, stats, stats] + [param] * has_gamma,
+          [x] * output_mask[0] + [param] * sum(output_mask[1:]))
+
+
 group_norm_bwd_p = make_primitive("jax_normgrad_group_norm_bwd", _bwd_abstract,
-                                  xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_gn.group_norm_bwd)
+                                  xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_gn.group_norm_bwd,
+                                  roles=_bwd_roles)

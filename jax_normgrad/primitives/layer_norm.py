@@ -62,8 +62,19 @@ def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, writ
   return [y] + ([mean] if centered else []) + [rstd] + ([xhat] if write_xhat else [])
 
 
+# Axis names for the partitioning rule (``_sharding.register_roles``): rows
+# "r", the normalized width "h", parameter rows "w".
+_ROWS, _STATS, _PARAM = ("r", "h"), ("r",), ("w", "h")
+
+
+def _fwd_roles(n_in, *, centered, write_xhat, **params):
+  del params
+  return [_ROWS] + [_PARAM] * (n_in - 1), [_ROWS] + [_STATS] * (1 + centered) + [_ROWS] * write_xhat
+
+
 layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
-                                  xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_ln.layer_norm_fwd)
+                                  xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_ln.layer_norm_fwd,
+                                  roles=_fwd_roles)
 
 
 # ----------------------------------------------------------------------------
@@ -105,5 +116,13 @@ def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups, norm
   return [o for o, m in zip(outs, mask + (write_xhat,)) if m]
 
 
+def _bwd_roles(n_in, *, has_weight, output_mask, write_xhat, **params):
+  del params
+  n_stats = n_in - 2 - has_weight
+  return ([_ROWS, _ROWS] + [_STATS] * n_stats + [_PARAM] * has_weight,
+          [_ROWS] * output_mask[0] + [_PARAM] * sum(output_mask[1:]) + [_ROWS] * write_xhat)
+
+
 layer_norm_bwd_p = make_primitive("jax_normgrad_layer_norm_bwd", _bwd_abstract,
-                                  xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_ln.layer_norm_bwd)
+                                  xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_ln.layer_norm_bwd,
+                                  roles=_bwd_roles)

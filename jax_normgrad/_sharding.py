@@ -1,0 +1,257 @@
+"""Partitioning of the kernels under jit on many devices: one custom_partitioning rule for every primitive.
+
+Every operand and result of the primitives is either row-wise (x, dy, y, dx,
+xhat, the statistics: leading axis = rows for LayerNorm / RMSNorm, samples
+for GroupNorm) or a parameter array (weight, bias and their gradients, shape
+``(param_groups, C)``). The rule, the same for all of them:
+
+* the leading axis keeps the sharding of the first row-wise operand that is
+  sharded on it (any mesh axes, one or several): each device runs the kernel
+  on its local rows;
+* parameter operands are replicated; parameter results (dweight, dbias) are
+  the local partial sums followed by one ``psum`` over exactly the mesh axes
+  that shard the rows;
+* every other axis (LayerNorm's H, GroupNorm's C and HxW, the statistics'
+  groups) is re-sharded to replicated: a kernel needs whole rows. The first
+  time this happens a :class:`ShardingWarning` says so, since it costs an
+  all-gather of x (and dy) per call.
+
+The public ops call :func:`bind` instead of ``prim.bind``. On one device and
+inside ``shard_map`` (all mesh axes manual) JAX inlines the kernel as
+before; :func:`match_varying` and :func:`sum_to_varying` give the ops and
+layers ``shard_map``'s varying-axes typing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Callable, Sequence
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+#: The factor name of the row axis in the sharding rules.
+ROW = "r"
+
+
+class ShardingWarning(UserWarning):
+  """Emitted once per (op, reason) when a sharding is changed at a kernel's boundary (a reshard)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+  warnings.warn(message, ShardingWarning, stacklevel=2)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _spec_of(sharding, ndim):
+  spec = tuple(getattr(sharding, "spec", None) or ())
+  return spec + (None,) * (ndim - len(spec))
+
+
+def _is_row(factor: str) -> bool:
+  return factor == ROW or (factor.startswith(ROW) and factor[len(ROW):].isdigit())
+
+
+def _row_axes(mesh, arg_shapes, in_factors, op) -> dict[str, tuple[str, ...]]:
+  """Row dim name -> the mesh axes sharding it: those of the first operand sharded on that dim.
+
+  Warns once when a non-row axis arrives sharded (it will be gathered), or a
+  row dim does not divide evenly over its mesh axes (it is gathered too:
+  padded rows would add to the parameter gradients).
+  """
+  axes: dict[str, tuple[str, ...]] = {}
+  sizes: dict[str, int] = {}
+  for shape, factors in zip(arg_shapes, in_factors):
+    if not isinstance(shape.sharding, NamedSharding):
+      continue
+    spec = _spec_of(shape.sharding, len(shape.shape))
+    for f, entry, size in zip(factors, spec, shape.shape):
+      if _is_row(f):
+        sizes[f] = size
+        if f not in axes and entry is not None:
+          axes[f] = _axes_of(entry)
+      elif entry is not None:
+        _warn_once(
+            f"jax_normgrad: {op} got an operand sharded along a normalized or parameter axis "
+            f"({entry!r}); it is re-sharded to replicated (an all-gather per call) because the "
+            f"kernel needs whole rows. Shard only the leading (batch / token) dims instead.")
+  for f, a in list(axes.items()):
+    shards = math.prod(mesh.shape[n] for n in a)
+    if sizes[f] % shards:
+      _warn_once(
+          f"jax_normgrad: {op} has a row dim of {sizes[f]}, not divisible over the {shards} "
+          f"devices of mesh axes {a}; it is replicated (gathered) for this call.")
+      del axes[f]
+  return axes
+
+
+#: primitive -> roles(n_operands, **params) -> (operand axis names, result axis names).
+_ROLES: dict = {}
+
+
+def register_roles(prim, roles: Callable) -> None:
+  """Registers the axis names of ``prim``'s operands and results (see :func:`bind`).
+
+  ``roles(n_operands, **params)`` returns two lists with one tuple of names
+  per operand / result of the canonical primitive, ``ROW`` first for the
+  row-wise ones (e.g. ``("r", "h")`` for LayerNorm's x, ``("w", "h")`` for
+  its weight).
+  """
+  _ROLES[prim] = roles
+
+
+def _varying(a) -> frozenset:
+  """The manual mesh axes ``a`` varies over inside ``shard_map`` (empty elsewhere)."""
+  mat = getattr(jax.typeof(a), "mat", None)
+  return frozenset() if mat is None else mat.varying
+
+
+def match_varying(args):
+  """Casts every array to the union of their varying axes, as JAX does for its own primitives.
+
+  Inside ``shard_map`` with ``check_vma`` a replicated weight used with a
+  sharded x must be marked varying first; the transpose of that cast is
+  the ``psum`` that makes the weight's gradient whole.
+  """
+  union = frozenset().union(*(_varying(a) for a in args))
+  if not union:
+    return list(args)
+  return [a if _varying(a) == union else
+          jax.lax.pcast(a, tuple(sorted(union - _varying(a))), to="varying") for a in args]
+
+
+def sum_to_varying(cotangent, primal):
+  """A custom_vjp cotangent reduced to its primal's varying axes (the transpose of a pcast).
+
+  In a custom_vjp backward under ``shard_map``, a replicated weight's gradient
+  computed from sharded rows varies over the row axes: its ``psum`` over
+  them is the gradient of the replicated weight, as for a jnp layer.
+  """
+  if cotangent is None:
+    return None
+  extra = _varying(cotangent) - _varying(primal)
+  return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
+def bind(prim, *args, lead: int = 1, **params):
+  """``prim.bind(*args, **params)`` with the row-partitioning rule attached.
+
+  The row-wise operands are given with ``lead`` leading dims (e.g. ``(B, S,
+  H)`` x and ``(B, S)`` statistics for LayerNorm) and are merged into the
+  primitive's one row axis *on each device*: merging a dim sharded over one
+  mesh axis with a dim sharded over another is no local reshape, so doing it
+  before the call would gather x. Row-wise results come back with the same
+  ``lead`` leading dims; parameter operands and results are as the
+  primitive has them. Empty ``(0,)`` placeholder operands stay as they are.
+
+  The primitive is called through a ``custom_partitioning`` function whose
+  rule is described in this module's docstring. ``custom_partitioning`` has
+  no vmap or JVP rule of its own, so the call is wrapped in a ``custom_jvp``
+  and a ``custom_vmap`` that hand those transformations to the bare
+  primitive (its folding batcher and reference JVP): the primal path, which
+  is what training runs, is partitioned, and ``vmap``, ``jax.jvp``,
+  ``grad(grad)`` and ``jax.hessian`` work as before (their kernels run
+  unpartitioned). Folded vmap batches (``param_groups > 1``) map rows to
+  parameter rows by position, so they stay unpartitioned too.
+  """
+  args = match_varying(args)
+  in_roles, out_roles = _ROLES[prim](len(args), **params)
+  row_in = [r[:1] == (ROW,) and a.shape != (0,) for r, a in zip(in_roles, args)]
+  row_out = [r[:1] == (ROW,) for r in out_roles]
+
+  def fn(*local):
+    lead_shape = next(a.shape[:lead] for a, r in zip(local, row_in) if r)
+    merged = [a.reshape((math.prod(lead_shape),) + a.shape[lead:]) if r else a
+              for a, r in zip(local, row_in)]
+    outs = prim.bind(*merged, **params)
+    return [o.reshape(lead_shape + o.shape[1:]) if r else o for o, r in zip(outs, row_out)]
+
+  if params.get("param_groups", 1) != 1 or not any(row_in) or lead < 1:
+    return fn(*args)
+  rows = (ROW,) + tuple(f"{ROW}{i}" for i in range(1, lead))
+  outs = jax.eval_shape(fn, *args)
+  name = lambda i, a, r, is_row: (f"e{i}",) if a.shape == (0,) and not is_row else (
+      rows + tuple(r[1:]) if is_row else tuple(r))
+  in_factors = [name(i, a, r, w) for i, (a, r, w) in enumerate(zip(args, in_roles, row_in))]
+  out_factors = [name(len(args) + i, o, r, w)
+                 for i, (o, r, w) in enumerate(zip(outs, out_roles, row_out))]
+  return _partitioned(prim.name, fn, in_factors, out_factors)(*args)
+
+
+def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
+                 out_factors: Sequence[Sequence[str]]) -> Callable:
+  """``fn`` with the row-partitioning rule attached; vmap and JVP go to ``fn`` itself.
+
+  Args:
+    op: the primitive's name, for messages.
+    fn: a function of the primitive's array operands returning its list of results.
+    in_factors, out_factors: one tuple of factor names per operand / result,
+      one name per axis: the ``lead`` row dims (``ROW`` first), then names of
+      axes that must stay whole; operands and results sharing a name share
+      the axis (e.g. x's H and the weight's H). A result without ``ROW`` is
+      a sum over rows (a parameter gradient) and is ``psum``-ed.
+  """
+  in_factors = [tuple(f) for f in in_factors]
+  out_factors = [tuple(f) for f in out_factors]
+  rule = (", ".join(" ".join(f) for f in in_factors) + " -> "
+          + ", ".join(" ".join(f) for f in out_factors))
+
+  def shardings(mesh, factors, axes):
+    return tuple(NamedSharding(mesh, PartitionSpec(*(axes.get(f) for f in fs))) for fs in factors)
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    axes = _row_axes(mesh, arg_shapes, in_factors, op)
+    all_axes = tuple(n for a in axes.values() for n in a)
+    reduced = [ROW not in f for f in out_factors]
+
+    def lower_fn(*args):
+      outs = list(fn(*args))
+      if all_axes:
+        # A parameter gradient is a sum over all rows: add the devices' partial sums
+        # over exactly the mesh axes that shard the rows.
+        outs = [jax.lax.psum(o, all_axes) if r else o for o, r in zip(outs, reduced)]
+      return tuple(outs)
+
+    return mesh, lower_fn, shardings(mesh, out_factors, axes), shardings(mesh, in_factors, axes)
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return shardings(mesh, out_factors, _row_axes(mesh, arg_shapes, in_factors, op))
+
+  @custom_partitioning
+  def call(*args):
+    return tuple(fn(*args))
+
+  call.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=rule)
+
+  @jax.custom_batching.custom_vmap
+  def batched(*args):
+    return call(*args)
+
+  @batched.def_vmap
+  def _vmap_rule(axis_size, in_batched, *args):
+    del axis_size
+    outs = jax.vmap(fn, in_axes=[0 if b else None for b in in_batched])(*args)
+    return tuple(outs), (True,) * len(outs)
+
+  @jax.custom_jvp
+  def with_rules(*args):
+    return batched(*args)
+
+  @with_rules.defjvp
+  def _jvp_rule(primals, tangents):
+    return jax.jvp(fn, primals, tangents)
+
+  return lambda *args: list(with_rules(*args))
