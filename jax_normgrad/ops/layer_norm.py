@@ -25,6 +25,19 @@ def _check_params(weight, bias, x, norm_shape):
   return weight, bias
 
 
+def _check_forward_args(x, normalized_shape, weight, bias):
+  """The checks of every forward entry point: x, a non-empty normalized_shape, weight and bias.
+
+  Returns ``(x, normalized_shape, weight, bias)`` as arrays / a tuple.
+  """
+  x = v.as_array("x", x)
+  v.check_float_dtype("x", x)
+  norm_shape = v.normalized_shape_of(normalized_shape, x)
+  v.check_positive_size("normalized_shape", math.prod(norm_shape), "number of elements")
+  weight, bias = _check_params(weight, bias, x, norm_shape)
+  return x, norm_shape, weight, bias
+
+
 def _rows_and_width(x, norm_ndim):
   """(M, H): x viewed as M rows of the H normalized elements."""
   lead = x.ndim - norm_ndim
@@ -112,11 +125,7 @@ def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, sca
   Raises:
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
   """
-  x = v.as_array("x", x)
-  v.check_float_dtype("x", x)
-  norm_shape = v.normalized_shape_of(normalized_shape, x)
-  v.check_positive_size("normalized_shape", math.prod(norm_shape), "number of elements")
-  weight, bias = _check_params(weight, bias, x, norm_shape)
+  x, norm_shape, weight, bias = _check_forward_args(x, normalized_shape, weight, bias)
   eps = v.check_eps(eps)
   scale_offset = v.check_scale_offset(scale_offset, weight)
   implementation = v.check_implementation(implementation)
@@ -286,11 +295,7 @@ def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, sc
   Raises:
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
   """
-  x = v.as_array("x", x)
-  v.check_float_dtype("x", x)
-  norm_shape = v.normalized_shape_of(normalized_shape, x)
-  v.check_positive_size("normalized_shape", math.prod(norm_shape), "number of elements")
-  weight, bias = _check_params(weight, bias, x, norm_shape)
+  x, norm_shape, weight, bias = _check_forward_args(x, normalized_shape, weight, bias)
   cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), True,
                      v.check_scale_offset(scale_offset, weight), v.check_save(save),
                      v.check_implementation(implementation))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 from jax_normgrad import _validation as v
-from jax_normgrad.ops.layer_norm import (_bwd, _check_params, _check_stats, _fwd, _LayerConfig,
-                                         _norm_layer, _stats_shape)
+from jax_normgrad.ops.layer_norm import (_bwd, _check_forward_args, _check_params, _check_stats,
+                                         _fwd, _LayerConfig, _norm_layer, _stats_shape)
 
 
 def rms_norm_fwd(x, normalized_shape, weight=None, eps=1e-6, *, scale_offset=0.0,
@@ -35,11 +35,7 @@ def rms_norm_fwd(x, normalized_shape, weight=None, eps=1e-6, *, scale_offset=0.0
   Raises:
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
   """
-  x = v.as_array("x", x)
-  v.check_float_dtype("x", x)
-  norm_shape = v.normalized_shape_of(normalized_shape, x)
-  v.check_positive_size("normalized_shape", math.prod(norm_shape), "number of elements")
-  weight, _ = _check_params(weight, None, x, norm_shape)
+  x, norm_shape, weight, _ = _check_forward_args(x, normalized_shape, weight, None)
   eps = v.check_eps(eps)
   scale_offset = v.check_scale_offset(scale_offset, weight)
   implementation = v.check_implementation(implementation)
@@ -130,11 +126,7 @@ def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.
   Raises:
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
   """
-  x = v.as_array("x", x)
-  v.check_float_dtype("x", x)
-  norm_shape = v.normalized_shape_of(normalized_shape, x)
-  v.check_positive_size("normalized_shape", math.prod(norm_shape), "number of elements")
-  weight, _ = _check_params(weight, None, x, norm_shape)
+  x, norm_shape, weight, _ = _check_forward_args(x, normalized_shape, weight, None)
   cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), False,
                      v.check_scale_offset(scale_offset, weight), "input",
                      v.check_implementation(implementation))
