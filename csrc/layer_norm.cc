@@ -22,6 +22,7 @@ namespace {
 // Partial dweight/dbias accumulators per task are T*H floats each; keep them
 // within this many floats so long rows do not cost huge scratch buffers.
 constexpr int64_t kMaxPartialFloats = int64_t{1} << 23;
+constexpr int64_t kMinRowsPerPartial = 8;
 
 // `xhat_out` (optional) receives xhat = (x - mean) * rstd in T, for a backward
 // from the normalized input (layer_norm(save="normalized")).
@@ -215,8 +216,13 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
 
   const bool need_partials = dw_out || db_out;
   int64_t per_group = NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks);
-  if (need_partials)
-    per_group = std::max<int64_t>(1, std::min(per_group, kMaxPartialFloats / (W * H)));
+  if (need_partials) {
+    // Each task writes and later re-reads its own H-long dweight/dbias rows:
+    // traffic of 1/rows-per-task of the inputs'. Keep tasks at least
+    // kMinRowsPerPartial rows long (but two of them where there are rows).
+    const int64_t by_rows = std::max<int64_t>(2, (M / W) / kMinRowsPerPartial);
+    per_group = std::max<int64_t>(1, std::min({per_group, kMaxPartialFloats / (W * H), by_rows}));
+  }
   RowGroupTasks split(M, W, per_group);
   // Per-task partial sums of dweight/dbias, summed in task order afterwards.
   // With one task per group the partials are the outputs themselves.
