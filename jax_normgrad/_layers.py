@@ -39,6 +39,11 @@ def fallback_doc(original: str, cases: list[str]) -> str:
   return "\n" + intro + "\n\n" + "\n".join(items) + "\n"
 
 
+def norm_doc(original: str, cases: list[str], fast_variance: bool = True) -> str:
+  """The fallback paragraph of a drop-in's docstring, plus the use_fast_variance note."""
+  return fallback_doc(original, cases) + (FAST_VARIANCE_NOTE if fast_variance else "")
+
+
 def canonical_axes(ndim: int, axes) -> tuple[int, ...]:
   """Flax's canonical form of ``axes``: non-negative and deduplicated.
 

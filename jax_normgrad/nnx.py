@@ -76,8 +76,7 @@ _COMMON_CASES = [
 
 
 def _doc(original, axes_case, fast_variance=True):
-  return (_layers.fallback_doc(original, [axes_case] + _COMMON_CASES)
-          + (_layers.FAST_VARIANCE_NOTE if fast_variance else ""))
+  return _layers.norm_doc(original, [axes_case] + _COMMON_CASES, fast_variance)
 
 
 class LayerNorm(nnx.LayerNorm):
