@@ -42,55 +42,70 @@ int64_t ChunksPerSample(const GnShape& s) {
   return std::max<int64_t>(1, std::min(p, s.HW));
 }
 
-// Channels-last: for every sample n and chunk p of its hw range, calls
-// fn(n, hw_begin, hw_end, unit) on the pool, unit = n * P + p.
+// Channels-last: for every sample n in [n_begin, n_end) and chunk p of its hw
+// range, calls fn(n, hw_begin, hw_end, unit) on the pool, unit = n * P + p.
 template <typename Fn>
-void ForEachHwChunk(ffi::ThreadPool* pool, const GnShape& s, int64_t P, const Fn& fn) {
+void ForEachHwChunk(ffi::ThreadPool* pool, const GnShape& s, int64_t P, int64_t n_begin,
+                    int64_t n_end, const Fn& fn) {
   const int64_t unit_elems = std::max<int64_t>(s.HW * s.C / P, 1);
-  const int64_t units = s.N * P;
+  const int64_t units = (n_end - n_begin) * P;
   const int64_t tasks = NumTasks(units, CeilDiv(kMinElementsPerTask, unit_elems), kMaxTasks);
   ParallelFor(pool, tasks, [&](int64_t t) {
-    for (int64_t u = BlockBegin(units, tasks, t); u < BlockBegin(units, tasks, t + 1); ++u) {
-      const int64_t n = u / P, p = u % P;
+    for (int64_t v = BlockBegin(units, tasks, t); v < BlockBegin(units, tasks, t + 1); ++v) {
+      const int64_t u = n_begin * P + v, n = u / P, p = u % P;
       fn(n, BlockBegin(s.HW, P, p), BlockBegin(s.HW, P, p + 1), u);
     }
   });
 }
 
-// Channels-last column sums: out[n * width + k] = sum over hw of the values
-// that row_fn(n, hw, acc) adds into acc[0..width); per chunk, then over chunks
-// in order (deterministic).
+// Channels-last column sums for samples [n_begin, n_end): out[n * width + k]
+// = sum over hw of the values that row_fn(n, hw, acc) adds into
+// acc[0..width); per chunk, then over chunks in order (deterministic, and
+// the same for any sample range).
 template <typename Fn>
-void ColumnSums(ffi::ThreadPool* pool, const GnShape& s, int64_t width, const Fn& row_fn,
-                float* out) {
+void ColumnSums(ffi::ThreadPool* pool, const GnShape& s, int64_t n_begin, int64_t n_end,
+                int64_t width, const Fn& row_fn, float* out) {
   const int64_t P = ChunksPerSample(s);
-  std::vector<float> part(static_cast<size_t>(s.N * P * width), 0.f);
-  ForEachHwChunk(pool, s, P, [&](int64_t n, int64_t hb, int64_t he, int64_t u) {
-    float* acc = part.data() + u * width;
+  std::vector<float> part(static_cast<size_t>((n_end - n_begin) * P * width), 0.f);
+  ForEachHwChunk(pool, s, P, n_begin, n_end, [&](int64_t n, int64_t hb, int64_t he, int64_t u) {
+    float* acc = part.data() + (u - n_begin * P) * width;
     for (int64_t hw = hb; hw < he; ++hw) row_fn(n, hw, acc);
   });
-  for (int64_t n = 0; n < s.N; ++n) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const float* pn = part.data() + (n - n_begin) * P * width;
     float* o = out + n * width;
-    std::copy(part.data() + n * P * width, part.data() + (n * P + 1) * width, o);
+    std::copy(pn, pn + width, o);
     for (int64_t p = 1; p < P; ++p) {
-      const float* src = part.data() + (n * P + p) * width;
+      const float* src = pn + p * width;
       for (int64_t k = 0; k < width; ++k) o[k] += src[k];
     }
   }
 }
 
-// Per-(n, c) values of a per-(n, g) statistic, so channels-last inner loops
-// run over contiguous c.
-std::vector<float> ExpandGroups(const GnShape& s, const float* per_group) {
-  std::vector<float> out(static_cast<size_t>(s.N * s.C));
-  for (int64_t n = 0; n < s.N; ++n)
-    for (int64_t c = 0; c < s.C; ++c) out[n * s.C + c] = per_group[n * s.G + c / s.Cg];
-  return out;
+// Channels-last kernels walk the samples in batches of about kSampleBatchBytes
+// of input, each batch's passes back to back, so a pass after the first finds
+// the batch in the last-level cache instead of memory. The batching changes
+// no arithmetic.
+constexpr int64_t kSampleBatchBytes = int64_t{8} << 20;
+
+template <typename Fn>
+void ForEachSampleBatch(const GnShape& s, int64_t bytes_per_sample, const Fn& fn) {
+  const int64_t per_batch = std::max<int64_t>(1, kSampleBatchBytes / std::max<int64_t>(bytes_per_sample, 1));
+  for (int64_t n0 = 0; n0 < s.N; n0 += per_batch) fn(n0, std::min(s.N, n0 + per_batch));
 }
 
-// out[n, g] = scale * sum_{c in g} v[n, c].
-void GroupSums(const GnShape& s, const float* v, float scale, float* out) {
-  for (int64_t n = 0; n < s.N; ++n)
+// Per-(n, c) values of a per-(n, g) statistic for samples [n_begin, n_end),
+// so channels-last inner loops run over contiguous c.
+void ExpandGroups(const GnShape& s, const float* per_group, int64_t n_begin, int64_t n_end,
+                  float* out) {
+  for (int64_t n = n_begin; n < n_end; ++n)
+    for (int64_t c = 0; c < s.C; ++c) out[n * s.C + c] = per_group[n * s.G + c / s.Cg];
+}
+
+// out[n, g] = scale * sum_{c in g} v[n, c] for samples [n_begin, n_end).
+void GroupSums(const GnShape& s, const float* v, float scale, int64_t n_begin, int64_t n_end,
+               float* out) {
+  for (int64_t n = n_begin; n < n_end; ++n)
     for (int64_t g = 0; g < s.G; ++g) {
       float acc = 0.f;
       for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) acc += v[n * s.C + c];
@@ -101,34 +116,31 @@ void GroupSums(const GnShape& s, const float* v, float scale, float* out) {
 // Per-(n, c) backward coefficients: dx = a dy - b - k (x - mean) where
 //   a = rstd gamma[c],  b = rstd mean(g),  k = rstd^2 mean(g xhat),
 // i.e. rstd * (g - mean(g) - xhat * mean(g xhat)) with xhat = (x - mean) rstd.
-struct BwdCoefficients {
-  std::vector<float> a, b, k;
-  BwdCoefficients(const GnShape& s, const float* rstd, const float* gamma, const float* db,
-                  const float* ds)
-      : a(s.N * s.C), b(s.N * s.C), k(s.N * s.C) {
-    const float inv_d = 1.0f / static_cast<float>(s.D());
-    for (int64_t n = 0; n < s.N; ++n) {
-      const float* gn = s.ParamRow(gamma, n);
-      for (int64_t g = 0; g < s.G; ++g) {
-        float sum_g = 0.f, sum_gdx = 0.f;  // sum(g), sum(g (x - mean))
-        for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
-          const float gm = gn ? gn[c] : 1.f;
-          sum_g += gm * db[n * s.C + c];
-          sum_gdx += gm * ds[n * s.C + c];
-        }
-        const float rs = rstd[n * s.G + g];
-        const float mean_g = sum_g * inv_d;
-        const float mean_gxhat = sum_gdx * rs * inv_d;
-        for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
-          const int64_t i = n * s.C + c;
-          a[i] = rs * (gn ? gn[c] : 1.f);
-          b[i] = rs * mean_g;
-          k[i] = rs * rs * mean_gxhat;
-        }
-      }
+// For sample n and groups [g_begin, g_end); a, b, k are indexed from the
+// first channel of g_begin.
+void BwdCoefficients(const GnShape& s, const float* rstd, const float* gamma, const float* db,
+                     const float* ds, int64_t n, int64_t g_begin, int64_t g_end, float* a,
+                     float* b, float* k) {
+  const float inv_d = 1.0f / static_cast<float>(s.D());
+  const float* gn = s.ParamRow(gamma, n);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    float sum_g = 0.f, sum_gdx = 0.f;  // sum(g), sum(g (x - mean))
+    for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
+      const float gm = gn ? gn[c] : 1.f;
+      sum_g += gm * db[n * s.C + c];
+      sum_gdx += gm * ds[n * s.C + c];
+    }
+    const float rs = rstd[n * s.G + g];
+    const float mean_g = sum_g * inv_d;
+    const float mean_gxhat = sum_gdx * rs * inv_d;
+    for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
+      const int64_t i = c - g_begin * s.Cg;
+      a[i] = rs * (gn ? gn[c] : 1.f);
+      b[i] = rs * mean_g;
+      k[i] = rs * rs * mean_gxhat;
     }
   }
-};
+}
 
 template <typename T>
 void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
@@ -142,13 +154,13 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
       const int64_t off = (n * s.C + g * s.Cg) * s.HW;
       const T* xb = x + off;
       Acc sx;
-      ForRow(D, [&](auto tag, int64_t j) { sx.Add(Ld(tag, xb + j)); });
+      ForRow(D, [&](auto tag, int64_t j) { sx.Add(tag, Ld(tag, xb + j)); });
       const float mu = sx.Sum() * inv_d;
       // Two-pass variance (the block is in cache): no E[x^2] - E[x]^2 cancellation.
       Acc sq;
       ForRow(D, [&](auto tag, int64_t j) {
         auto d = Ld(tag, xb + j) - mu;
-        sq.Add(d * d);
+        sq.Add(tag, d * d);
       });
       const float rs = 1.0f / std::sqrt(sq.Sum() * inv_d + eps);
       mean[bi] = mu;
@@ -166,48 +178,125 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
   });
 }
 
+// Per-channel running moments of a channels-last chunk: count, mean and M2
+// (the sum of squared deviations from the mean), merged with Chan et al.'s
+// update, so the statistics need one pass over memory and keep the
+// cancellation-free accuracy of a two-pass variance.
+struct Moments {
+  int64_t count = 0;
+  std::vector<float> mean, m2;
+  explicit Moments(int64_t channels) : mean(channels, 0.f), m2(channels, 0.f) {}
+  // Adds moments of `nb` more values per channel: means mb, sums of squared
+  // deviations qb.
+  void Merge(int64_t nb, const float* mb, const float* qb) {
+    if (nb == 0) return;
+    const int64_t n = count + nb;
+    const float fb = static_cast<float>(nb) / static_cast<float>(n);
+    const float fab = static_cast<float>(count) * fb;  // count * nb / n
+    float* m = mean.data();
+    float* q = m2.data();
+    ForRow(static_cast<int64_t>(mean.size()), [&](auto tag, int64_t c) {
+      auto delta = Ld(tag, mb + c) - Ld(tag, m + c);
+      St(tag, m + c, Ld(tag, m + c) + delta * fb);
+      St(tag, q + c, Ld(tag, q + c) + Ld(tag, qb + c) + delta * delta * fab);
+    });
+    count = n;
+  }
+  void Merge(const Moments& o) { Merge(o.count, o.mean.data(), o.m2.data()); }
+};
+
+// Moments over pixels [hb, he) of one sample (x: its (HW, C) slice), in
+// blocks of pixels that fit in L1: per block, the sum pass and the
+// deviation pass read the same lines.
+template <typename T>
+void ChunkMoments(const T* x, int64_t C, int64_t hb, int64_t he, Moments* out) {
+  const int64_t block = std::max<int64_t>(1, (int64_t{16} << 10) / (C * static_cast<int64_t>(sizeof(T))));
+  std::vector<float> mb(static_cast<size_t>(C)), qb(static_cast<size_t>(C));
+  for (int64_t h0 = hb; h0 < he; h0 += block) {
+    const int64_t h1 = std::min(he, h0 + block);
+    const float inv_nb = 1.0f / static_cast<float>(h1 - h0);
+    std::fill(mb.begin(), mb.end(), 0.f);
+    std::fill(qb.begin(), qb.end(), 0.f);
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* xr = x + h * C;
+      ForRow(C, [&](auto tag, int64_t c) { St(tag, mb.data() + c, Ld(tag, mb.data() + c) + Ld(tag, xr + c)); });
+    }
+    for (int64_t c = 0; c < C; ++c) mb[c] *= inv_nb;
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* xr = x + h * C;
+      ForRow(C, [&](auto tag, int64_t c) {
+        auto d = Ld(tag, xr + c) - Ld(tag, mb.data() + c);
+        St(tag, qb.data() + c, Ld(tag, qb.data() + c) + d * d);
+      });
+    }
+    out->Merge(h1 - h0, mb.data(), qb.data());
+  }
+}
+
+// Group statistics of sample n from its per-channel moments: channels merged
+// in ascending order; mean[n, g] and rstd[n, g] = 1 / sqrt(M2 / D + eps).
+void GroupMoments(const GnShape& s, const Moments& m, int64_t n, float eps, float* mean,
+                  float* rstd) {
+  for (int64_t g = 0; g < s.G; ++g) {
+    float gm = 0.f, gq = 0.f;
+    int64_t cnt = 0;
+    for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
+      const int64_t nn = cnt + m.count;
+      const float fb = static_cast<float>(m.count) / static_cast<float>(nn);
+      const float delta = m.mean[c] - gm;
+      gm += delta * fb;
+      gq += m.m2[c] + delta * delta * static_cast<float>(cnt) * fb;
+      cnt = nn;
+    }
+    mean[n * s.G + g] = gm;
+    rstd[n * s.G + g] = 1.0f / std::sqrt(gq / static_cast<float>(s.D()) + eps);
+  }
+}
+
 template <typename T>
 void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
                       const float* b, float eps, T* y, float* mean, float* rstd) {
-  const float inv_d = 1.0f / static_cast<float>(s.D());
-  std::vector<float> col(static_cast<size_t>(s.N * s.C));
-  ColumnSums(pool, s, s.C, [&](int64_t n, int64_t hw, float* acc) {
-    const T* xr = x + (n * s.HW + hw) * s.C;
-    ForRow(s.C, [&](auto tag, int64_t c) { St(tag, acc + c, Ld(tag, acc + c) + Ld(tag, xr + c)); });
-  }, col.data());
-  GroupSums(s, col.data(), inv_d, mean);
-  std::vector<float> mu_c = ExpandGroups(s, mean);
-  ColumnSums(pool, s, s.C, [&](int64_t n, int64_t hw, float* acc) {
-    const T* xr = x + (n * s.HW + hw) * s.C;
-    const float* mu = mu_c.data() + n * s.C;
-    ForRow(s.C, [&](auto tag, int64_t c) {
-      auto d = Ld(tag, xr + c) - Ld(tag, mu + c);
-      St(tag, acc + c, Ld(tag, acc + c) + d * d);
+  const size_t nc = static_cast<size_t>(s.N * s.C);
+  // Per-(n, c): mean[c], a[c] = rstd * weight[c], b[c].
+  std::vector<float> mu_c(nc), a_c(nc), b_c(nc, 0.f);
+  const int64_t P = ChunksPerSample(s);
+  ForEachSampleBatch(s, s.HW * s.C * static_cast<int64_t>(sizeof(T)), [&](int64_t n0, int64_t n1) {
+    // One pass over memory for the statistics: per chunk and channel a mean
+    // and M2 (sum of squared deviations), merged in a fixed order.
+    std::vector<Moments> part;
+    part.reserve(static_cast<size_t>((n1 - n0) * P));
+    for (int64_t u = 0; u < (n1 - n0) * P; ++u) part.emplace_back(s.C);
+    ForEachHwChunk(pool, s, P, n0, n1, [&](int64_t n, int64_t hb, int64_t he, int64_t u) {
+      ChunkMoments(x + n * s.HW * s.C, s.C, hb, he, &part[u - n0 * P]);
     });
-  }, col.data());
-  GroupSums(s, col.data(), inv_d, rstd);
-  for (int64_t i = 0; i < s.N * s.G; ++i) rstd[i] = 1.0f / std::sqrt(rstd[i] + eps);
-  // y = (x - mean[c]) * a[c] + b[c] per (n, c), a = rstd * weight.
-  std::vector<float> a_c = ExpandGroups(s, rstd), b_c(static_cast<size_t>(s.N * s.C), 0.f);
-  for (int64_t n = 0; n < s.N; ++n) {
-    const float* wn = s.ParamRow(w, n);
-    const float* bn = s.ParamRow(b, n);
-    for (int64_t c = 0; c < s.C; ++c) {
-      if (wn) a_c[n * s.C + c] *= wn[c];
-      if (bn) b_c[n * s.C + c] = bn[c];
+    for (int64_t n = n0; n < n1; ++n) {
+      Moments& m = part[(n - n0) * P];
+      for (int64_t p = 1; p < P; ++p) m.Merge(part[(n - n0) * P + p]);
+      GroupMoments(s, m, n, eps, mean, rstd);
     }
-  }
-  ForEachHwChunk(pool, s, ChunksPerSample(s), [&](int64_t n, int64_t hb, int64_t he, int64_t) {
-    const float* mu = mu_c.data() + n * s.C;
-    const float* a = a_c.data() + n * s.C;
-    const float* bb = b_c.data() + n * s.C;
-    for (int64_t hw = hb; hw < he; ++hw) {
-      const T* xr = x + (n * s.HW + hw) * s.C;
-      T* yr = y + (n * s.HW + hw) * s.C;
-      ForRow(s.C, [&](auto tag, int64_t c) {
-        St(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c));
-      });
+    ExpandGroups(s, mean, n0, n1, mu_c.data());
+    // y = (x - mean[c]) * a[c] + b[c] per (n, c), a = rstd * weight.
+    ExpandGroups(s, rstd, n0, n1, a_c.data());
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* wn = s.ParamRow(w, n);
+      const float* bn = s.ParamRow(b, n);
+      for (int64_t c = 0; c < s.C; ++c) {
+        if (wn) a_c[n * s.C + c] *= wn[c];
+        if (bn) b_c[n * s.C + c] = bn[c];
+      }
     }
+    ForEachHwChunk(pool, s, P, n0, n1, [&](int64_t n, int64_t hb, int64_t he, int64_t) {
+      const float* mu = mu_c.data() + n * s.C;
+      const float* a = a_c.data() + n * s.C;
+      const float* bb = b_c.data() + n * s.C;
+      for (int64_t hw = hb; hw < he; ++hw) {
+        const T* xr = x + (n * s.HW + hw) * s.C;
+        T* yr = y + (n * s.HW + hw) * s.C;
+        ForRow(s.C, [&](auto tag, int64_t c) {
+          St(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c));
+        });
+      }
+    });
   });
 }
 
@@ -233,8 +322,8 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* dy, cons
         Acc sd, sdx;
         ForRow(s.HW, [&](auto tag, int64_t j) {
           auto d = Ld(tag, dyc + j);
-          sd.Add(d);
-          sdx.Add(d * (Ld(tag, xc + j) - mu));
+          sd.Add(tag, d);
+          sdx.Add(tag, d * (Ld(tag, xc + j) - mu));
         });
         const float dbc = sd.Sum(), dsc = sdx.Sum();
         db[n * s.C + c] = dbc;
@@ -263,41 +352,52 @@ template <typename T>
 void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* dy, const T* x,
                       const float* mean, const float* rstd, const float* gamma, T* dx,
                       float* db, float* ds) {
-  std::vector<float> mu_c = ExpandGroups(s, mean);
+  const size_t nc = static_cast<size_t>(s.N * s.C);
+  std::vector<float> mu_c(nc);
+  ExpandGroups(s, mean, 0, s.N, mu_c.data());
   // [db | ds] column sums of one sample side by side, in one pass over x, dy.
-  std::vector<float> both(static_cast<size_t>(s.N * 2 * s.C));
-  ColumnSums(pool, s, 2 * s.C, [&](int64_t n, int64_t hw, float* acc) {
-    const T* dyr = dy + (n * s.HW + hw) * s.C;
-    const T* xr = x + (n * s.HW + hw) * s.C;
-    const float* mu = mu_c.data() + n * s.C;
-    float* adb = acc;
-    float* ads = acc + s.C;
-    ForRow(s.C, [&](auto tag, int64_t c) {
-      auto d = Ld(tag, dyr + c);
-      St(tag, adb + c, Ld(tag, adb + c) + d);
-      St(tag, ads + c, Ld(tag, ads + c) + d * (Ld(tag, xr + c) - Ld(tag, mu + c)));
-    });
-  }, both.data());
-  for (int64_t n = 0; n < s.N; ++n) {
-    std::copy(both.data() + 2 * n * s.C, both.data() + (2 * n + 1) * s.C, db + n * s.C);
-    std::copy(both.data() + (2 * n + 1) * s.C, both.data() + (2 * n + 2) * s.C, ds + n * s.C);
-  }
-  if (!dx) return;
-  BwdCoefficients co(s, rstd, gamma, db, ds);
-  ForEachHwChunk(pool, s, ChunksPerSample(s), [&](int64_t n, int64_t hb, int64_t he, int64_t) {
-    const float* mu = mu_c.data() + n * s.C;
-    const float* a = co.a.data() + n * s.C;
-    const float* b = co.b.data() + n * s.C;
-    const float* k = co.k.data() + n * s.C;
-    for (int64_t hw = hb; hw < he; ++hw) {
+  std::vector<float> both(2 * nc);
+  const int64_t P = ChunksPerSample(s);
+  ForEachSampleBatch(s, 2 * s.HW * s.C * static_cast<int64_t>(sizeof(T)), [&](int64_t n0, int64_t n1) {
+    ColumnSums(pool, s, n0, n1, 2 * s.C, [&](int64_t n, int64_t hw, float* acc) {
       const T* dyr = dy + (n * s.HW + hw) * s.C;
       const T* xr = x + (n * s.HW + hw) * s.C;
-      T* dxr = dx + (n * s.HW + hw) * s.C;
+      const float* mu = mu_c.data() + n * s.C;
+      float* adb = acc;
+      float* ads = acc + s.C;
       ForRow(s.C, [&](auto tag, int64_t c) {
-        St(tag, dxr + c, Ld(tag, a + c) * Ld(tag, dyr + c) - Ld(tag, b + c) -
-                             Ld(tag, k + c) * (Ld(tag, xr + c) - Ld(tag, mu + c)));
+        auto d = Ld(tag, dyr + c);
+        St(tag, adb + c, Ld(tag, adb + c) + d);
+        St(tag, ads + c, Ld(tag, ads + c) + d * (Ld(tag, xr + c) - Ld(tag, mu + c)));
       });
+    }, both.data());
+    for (int64_t n = n0; n < n1; ++n) {
+      std::copy(both.data() + 2 * n * s.C, both.data() + (2 * n + 1) * s.C, db + n * s.C);
+      std::copy(both.data() + (2 * n + 1) * s.C, both.data() + (2 * n + 2) * s.C, ds + n * s.C);
     }
+    if (!dx) return;
+    // dx = a[c] dy - b[c] - k[c] (x - mean[c]) for this batch (the batch's
+    // x and dy are still in cache).
+    std::vector<float> co(static_cast<size_t>(3 * (n1 - n0) * s.C));
+    for (int64_t n = n0; n < n1; ++n) {
+      float* cn = co.data() + 3 * (n - n0) * s.C;
+      BwdCoefficients(s, rstd, gamma, db, ds, n, 0, s.G, cn, cn + s.C, cn + 2 * s.C);
+    }
+    ForEachHwChunk(pool, s, P, n0, n1, [&](int64_t n, int64_t hb, int64_t he, int64_t) {
+      const float* mu = mu_c.data() + n * s.C;
+      const float* a = co.data() + 3 * (n - n0) * s.C;
+      const float* b = a + s.C;
+      const float* k = b + s.C;
+      for (int64_t hw = hb; hw < he; ++hw) {
+        const T* dyr = dy + (n * s.HW + hw) * s.C;
+        const T* xr = x + (n * s.HW + hw) * s.C;
+        T* dxr = dx + (n * s.HW + hw) * s.C;
+        ForRow(s.C, [&](auto tag, int64_t c) {
+          St(tag, dxr + c, Ld(tag, a + c) * Ld(tag, dyr + c) - Ld(tag, b + c) -
+                               Ld(tag, k + c) * (Ld(tag, xr + c) - Ld(tag, mu + c)));
+        });
+      }
+    });
   });
 }
 

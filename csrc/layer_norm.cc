@@ -31,12 +31,13 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y, T* xhat_
                       float* mean_out, float* rstd_out, int64_t row_begin,
                       int64_t row_end, int64_t H, float eps, bool centered) {
   const float inv_h = 1.0f / static_cast<float>(H);
+  const bool prefetch_rows = PrefetchNextRow<T>(H);
   for (int64_t i = row_begin; i < row_end; ++i) {
     const T* xr = x + i * H;
     float mu = 0.f;
     if (centered) {
       Acc s;
-      ForRow(H, [&](auto tag, int64_t j) { s.Add(Ld(tag, xr + j)); });
+      ForRow(H, [&](auto tag, int64_t j) { s.Add(tag, Ld(tag, xr + j)); });
       mu = s.Sum() * inv_h;
     }
     // Two-pass variance: the row is in cache, and it avoids the cancellation
@@ -44,7 +45,7 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y, T* xhat_
     Acc q;
     ForRow(H, [&](auto tag, int64_t j) {
       auto d = Ld(tag, xr + j) - mu;
-      q.Add(d * d);
+      q.Add(tag, d * d);
     });
     const float rs = 1.0f / std::sqrt(q.Sum() * inv_h + eps);
     if (mean_out) mean_out[i] = mu;
@@ -52,7 +53,9 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y, T* xhat_
     T* yr = y + i * H;
     T* xo = xhat_out ? xhat_out + i * H : nullptr;
     // w and b are never null here (ones / zeros stand in for absent ones).
+    const bool prefetch = prefetch_rows && i + 1 < row_end;
     ForRow(H, [&](auto tag, int64_t j) {
+      if (prefetch) PrefetchLine(tag, xr + H + j);
       auto xh = (Ld(tag, xr + j) - mu) * rs;
       if (xo) St(tag, xo + j, xh);
       St(tag, yr + j, xh * Ld(tag, w + j) + Ld(tag, b + j));
@@ -76,6 +79,7 @@ void LayerNormBwdRows(const T* dy, const T* x, const float* mean, const float* r
                       int64_t row_begin, int64_t row_end, int64_t H, bool centered,
                       bool normalized) {
   const float inv_h = 1.0f / static_cast<float>(H);
+  const bool prefetch_rows = PrefetchNextRow<T>(H);
   for (int64_t i = row_begin; i < row_end; ++i) {
     const T* dyr = dy + i * H;
     const T* xr = x + i * H;
@@ -89,15 +93,19 @@ void LayerNormBwdRows(const T* dy, const T* x, const float* mean, const float* r
       Acc s_g, s_gx;
       ForRow(H, [&](auto tag, int64_t j) {
         auto g = Ld(tag, dyr + j) * Ld(tag, w + j);
-        s_g.Add(g);
-        s_gx.Add(g * ((Ld(tag, xr + j) - mu) * xs));
+        s_g.Add(tag, g);
+        s_gx.Add(tag, g * ((Ld(tag, xr + j) - mu) * xs));
       });
       b = centered ? rs * s_g.Sum() * inv_h : 0.f;
       k = rs * s_gx.Sum() * inv_h;
     }
     T* dxr = kDx ? dx + i * H : nullptr;
     T* xo = xhat_out ? xhat_out + i * H : nullptr;
+    // Next row's x and dy: fetched during this in-cache pass, so the memory
+    // system is not idle while this core computes.
+    const bool prefetch = prefetch_rows && i + 1 < row_end;
     ForRow(H, [&](auto tag, int64_t j) {
+      if (prefetch) PrefetchLine(tag, dyr + H + j), PrefetchLine(tag, xr + H + j);
       auto d = Ld(tag, dyr + j);
       auto xh = (Ld(tag, xr + j) - mu) * xs;
       if (kDx) St(tag, dxr + j, rs * (d * Ld(tag, w + j)) - b - k * xh);

@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 
 namespace jax_normgrad {
@@ -22,25 +26,38 @@ typedef _Float16 VH __attribute__((vector_size(16)));
 
 // Tags select the vector body or the scalar tail of a row loop; the same
 // generic lambda serves both, since float and VF share their operators.
-struct VecTag {};
+// VecTagL<L> also names one of kLanes independent accumulator lanes (see Acc).
+template <int L>
+struct VecTagL {};
+using VecTag = VecTagL<0>;
 struct ScalarTag {};
 
 inline VF Splat(float s) { return VF{} + s; }
 
-inline VF Ld(VecTag, const float* p) {
+template <int L>
+inline VF Ld(VecTagL<L>, const float* p) {
   VF v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline VF Ld(VecTag, const BF16* p) {
+template <int L>
+inline VF Ld(VecTagL<L>, const BF16* p) {
+#if defined(__AVX2__)
+  // One vpmovzxwd from memory; GCC splits the generic form below into six
+  // instructions, and bfloat16 loads are the inner loops' main cost.
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (VF)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
   VU16 h;
   std::memcpy(&h, p, sizeof(h));
   VU32 u = __builtin_convertvector(h, VU32) << 16;
   VF v;
   std::memcpy(&v, &u, sizeof(v));
   return v;
+#endif
 }
-inline VF Ld(VecTag, const F16* p) {
+template <int L>
+inline VF Ld(VecTagL<L>, const F16* p) {
   VH h;
   std::memcpy(&h, p, sizeof(h));
   return __builtin_convertvector(h, VF);
@@ -50,8 +67,23 @@ inline float Ld(ScalarTag, const T* p) {
   return ToFloat(*p);
 }
 
-inline void St(VecTag, float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
-inline void St(VecTag, BF16* p, VF v) {
+// Pack(p, v): v rounded to p's storage type, as the bytes of one vector.
+inline VF Pack(const float*, VF v) { return v; }
+inline VU16 Pack(const BF16*, VF v) {
+#if defined(__AVX2__)
+  // The rounding below in AVX2 instructions: packus needs no mask (the
+  // values are < 2^16) and the NaN test is one unordered compare.
+  const __m256i u = _mm256_castps_si256((__m256)v);
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps((__m256)v, (__m256)v, _CMP_UNORD_Q));
+  const __m256i r = _mm256_blendv_epi8(rounded, nan, is_nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  return (VU16)_mm256_castsi256_si128(packed);
+#else
   VU32 u;
   std::memcpy(&u, &v, sizeof(u));
   // Round to nearest even; NaN stays a quiet NaN (as FromFloat<BF16>).
@@ -59,40 +91,75 @@ inline void St(VecTag, BF16* p, VF v) {
   VU32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   VU32 nan = (u >> 16) | 0x40u;
   VU32 r = is_nan ? nan : rounded;
-  VU16 h = __builtin_convertvector(r, VU16);
-  std::memcpy(p, &h, sizeof(h));
+  return __builtin_convertvector(r, VU16);
+#endif
 }
-inline void St(VecTag, F16* p, VF v) {
-  VH h = __builtin_convertvector(v, VH);
-  std::memcpy(p, &h, sizeof(h));
+inline VH Pack(const F16*, VF v) { return __builtin_convertvector(v, VH); }
+
+template <int L, typename T>
+inline void St(VecTagL<L>, T* p, VF v) {
+  const auto packed = Pack(p, v);
+  std::memcpy(p, &packed, sizeof(packed));
 }
 template <typename T>
 inline void St(ScalarTag, T* p, float v) {
   *p = FromFloat<T>(v);
 }
 
-// A float32 sum with a vector part and a scalar (tail) part, combined in a
-// fixed order: deterministic.
+// Prefetches the cache line at p once per 64 bytes of a row loop (the
+// vectors of a step that start a line; p is the element at the vector).
+template <int L, typename T>
+inline void PrefetchLine(VecTagL<L>, const T* p) {
+  if constexpr ((L * kVec * sizeof(T)) % 64 == 0) __builtin_prefetch(p);
+}
+template <typename T>
+inline void PrefetchLine(ScalarTag, const T*) {}
+// Whether a row loop should prefetch the next row while it works on this
+// one in cache: rows of up to 16 KiB per array (longer ones fill the cache
+// and are left to the hardware prefetcher; measured 6% slower at 64 KiB).
+template <typename T>
+inline bool PrefetchNextRow(int64_t n) {
+  return n * static_cast<int64_t>(sizeof(T)) <= (int64_t{16} << 10);
+}
+
+// Row loops are unrolled over this many vectors; each gets its own
+// accumulator lane, so a reduction is not one serial chain of 4-cycle adds.
+constexpr int kLanes = 4;
+
+// A float32 sum with kLanes vector lanes and a scalar (tail) part, combined
+// in a fixed order: deterministic. Add(tag, x) adds into the tag's lane.
 struct Acc {
-  VF v = VF{};
+  VF v[kLanes] = {};
   float s = 0.f;
-  void Add(VF x) { v += x; }
-  void Add(float x) { s += x; }
+  template <int L>
+  void Add(VecTagL<L>, VF x) {
+    v[L] += x;
+  }
+  void Add(ScalarTag, float x) { s += x; }
   float Sum() const {
+    VF u = (v[0] + v[1]) + (v[2] + v[3]);
     float t[kVec];
-    std::memcpy(t, &v, sizeof(t));
+    std::memcpy(t, &u, sizeof(t));
     for (int w = kVec / 2; w > 0; w /= 2)
       for (int k = 0; k < w; ++k) t[k] += t[k + w];
     return t[0] + s;
   }
 };
+static_assert(kLanes == 4, "Acc::Sum combines exactly four lanes");
 
-// Calls body(VecTag, j) for j = 0, 8, 16, ... while 8 elements remain, then
-// body(ScalarTag, j) for the tail.
+// Calls body(VecTagL<l>, j) for j = 0, 8, 16, ... while 8 elements remain
+// (kLanes vectors per step, lane l = the vector's place in the step; lane 0
+// for the last < kLanes vectors), then body(ScalarTag, j) for the tail.
 template <typename Body>
 inline void ForRow(int64_t n, const Body& body) {
   int64_t j = 0;
-  for (; j + kVec <= n; j += kVec) body(VecTag{}, j);
+  for (; j + kLanes * kVec <= n; j += kLanes * kVec) {
+    body(VecTagL<0>{}, j);
+    body(VecTagL<1>{}, j + kVec);
+    body(VecTagL<2>{}, j + 2 * kVec);
+    body(VecTagL<3>{}, j + 3 * kVec);
+  }
+  for (; j + kVec <= n; j += kVec) body(VecTagL<0>{}, j);
   for (; j < n; ++j) body(ScalarTag{}, j);
 }
 

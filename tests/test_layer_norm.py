@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_normgrad as jn
 from cases import DTYPES, LN_CASES, LONG_ROW, MASKS, random, rotate
@@ -78,6 +79,28 @@ class LayerNormOpTests:
         assert_close(out, expected, jnp.float32, reduced)
       else:
         assert out is None
+
+  @pytest.mark.filterwarnings("ignore:Mean of empty slice", "ignore:invalid value encountered")
+  def test_no_leading_dims(self, rng, mask):
+    # x is one row (lead 0), also an empty one: the (0,) row operand must not
+    # be taken for an empty placeholder (a hypothesis find).
+    for h in (5, 0):
+      x, dy, w, b = _inputs(rng, (h,), (h,), jnp.float32)
+      mean, rstd = ref.ln_stats(x, 1, 1e-5)
+      outs = jn.layer_norm_backward(dy, x, (h,), mean.astype(np.float32),
+                                    rstd.astype(np.float32), w, b, mask,
+                                    implementation=self.implementation)
+      for out, expected, m in zip(outs, ref.ln_bwd(dy, x, 1, mean, rstd, w), mask):
+        assert (out is None) == (not m)
+        if m:
+          assert out.shape == (h,)
+          assert_close(out, expected, jnp.float32, max(h, 1))
+    y, mean, rstd = jn.layer_norm_fwd(x := random(rng, (7,), jnp.float32), (7,),
+                                      implementation=self.implementation)
+    y_ref, mean_ref, rstd_ref = ref.ln_fwd(x, 1, None, None, 1e-5)
+    assert mean.shape == rstd.shape == (1,)
+    assert_close(y, y_ref, jnp.float32, 7, "y")
+    assert_close(rstd, rstd_ref, jnp.float32, 7, "rstd")
 
   def test_mixed_precision_weight_and_stats_in_x_dtype(self, rng, half_dtype):
     dtype = half_dtype

@@ -56,14 +56,17 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   """
   lead = x.ndim - norm_ndim
   _, h = _rows_and_width(x, norm_ndim)
+  # No leading dims: one row, as a unit dim (a (0,) row operand would read as
+  # an empty placeholder to the sharding wrapper).
+  lead_shape = x.shape[:lead] or (1,)
   outs = list(_sharding.bind(
-      layer_norm_fwd_p, x.reshape(x.shape[:lead] + (h,)),
-      *present(as_f32_weight(weight, (1, h), scale_offset), as_f32(bias, (1, h))), lead=lead,
-      eps=eps, centered=centered, has_weight=weight is not None, has_bias=bias is not None,
+      layer_norm_fwd_p, x.reshape(lead_shape + (h,)),
+      *present(as_f32_weight(weight, (1, h), scale_offset), as_f32(bias, (1, h))),
+      lead=len(lead_shape), eps=eps, centered=centered, has_weight=weight is not None, has_bias=bias is not None,
       param_groups=1, write_xhat=write_xhat, implementation=implementation))
   y = outs.pop(0).reshape(x.shape)
-  mean = outs.pop(0) if centered else None
-  rstd = outs.pop(0)
+  mean = outs.pop(0).reshape(x.shape[:lead]) if centered else None
+  rstd = outs.pop(0).reshape(x.shape[:lead])
   xhat = outs.pop(0).reshape(x.shape) if write_xhat else None
   return y, mean, rstd, xhat
 
@@ -84,13 +87,15 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   norm_shape = x.shape[lead:]
   _, h = _rows_and_width(x, norm_ndim)
   output_mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
-  rows = x.shape[:lead] + (h,)
-  stats = [as_f32(mean, x.shape[:lead])] if centered and not normalized else []
+  lead_shape = x.shape[:lead] or (1,)  # as in _fwd
+  rows = lead_shape + (h,)
+  stats = [as_f32(mean, lead_shape)] if centered and not normalized else []
   # An unused rstd travels as an empty operand (the kernel checks it is one).
-  stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, x.shape[:lead]))
+  stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, lead_shape))
   outs = _sharding.bind(
       layer_norm_bwd_p, dy.reshape(rows), x.reshape(rows), *stats,
-      *present(as_f32_weight(weight, (1, h), scale_offset)), lead=lead, centered=centered,
+      *present(as_f32_weight(weight, (1, h), scale_offset)), lead=len(lead_shape),
+      centered=centered,
       has_weight=weight is not None, output_mask=output_mask, param_groups=1,
       normalized=normalized, write_xhat=write_xhat, implementation=implementation)
   to_x = lambda a: a.reshape(x.shape)
