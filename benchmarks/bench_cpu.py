@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_normgrad as jn
 from jax_normgrad import _bench
 
 ISSUE_ROWS = [
@@ -106,11 +107,13 @@ def torch_times(kind, shape, dtype, iters):
           "fwd_ms": 1e3 * float(np.median([fwd_once() for _ in range(iters)]))}
 
 
-def flax_grad_times(kind, shape, dtype, iters):
+def flax_grad_times(kind, shape, dtype, iters, layer_dtype=None):
   """jax.grad of flax.linen's layer vs of the jax_normgrad.flax drop-in, same input and params, ms.
 
   LayerNorm on (rows, hidden); GroupNorm in Flax's channels-last layout (the
-  NCHW shape's channels moved last). None when flax is not installed.
+  NCHW shape's channels moved last). ``layer_dtype``: the layers' ``dtype``
+  (None: Flax's default, the result promoted with the float32 parameters).
+  None when flax is not installed.
   """
   try:
     import flax.linen as nn
@@ -118,10 +121,10 @@ def flax_grad_times(kind, shape, dtype, iters):
   except ImportError:
     return None
   if kind == "ln":
-    x_shape, make = shape, lambda mod: mod.LayerNorm()
+    x_shape, make = shape, lambda mod: mod.LayerNorm(dtype=layer_dtype)
   else:
     n, c, h, w_, groups = shape
-    x_shape, make = (n, h, w_, c), lambda mod: mod.GroupNorm(num_groups=groups)
+    x_shape, make = (n, h, w_, c), lambda mod: mod.GroupNorm(num_groups=groups, dtype=layer_dtype)
   k = jax.random.split(jax.random.key(0), 2)
   x = jax.random.normal(k[0], x_shape, jnp.float32).astype(dtype)
   dy = jax.random.normal(k[1], x_shape, jnp.float32).astype(dtype)
@@ -155,6 +158,10 @@ def measure(kind, shape, dtype, bandwidth, iters):
   if fl:
     row["flax_grad_flax_ms"], row["flax_grad_ours_ms"] = fl["flax"], fl["ours"]
     row["flax_grad_speedup"] = fl["flax"] / fl["ours"]
+  if fl and jnp.dtype(dtype) != jnp.float32:
+    # The layers with dtype=x's dtype: a 16-bit result, no float32 promotion.
+    fl = flax_grad_times(kind, shape, dtype, iters, layer_dtype=dtype)
+    row["flax16_grad_flax_ms"], row["flax16_grad_ours_ms"] = fl["flax"], fl["ours"]
   return row
 
 
@@ -170,7 +177,9 @@ def print_table(rows):
           f"{r['bwd_xla_ms']:7.2f} {torch_b} {r['bwd_vs_xla']:5.1f}x {vs_t} "
           f"{r['bwd_vs_floor']:6.2f}x | {r['fwd_ours_ms']:8.2f} {r['fwd_xla_ms']:7.2f} {torch_f} | "
           f"{r['grad_ours_ms']:9.2f} {r['grad_xla_ms']:7.2f} | "
-          f"{r.get('flax_grad_ours_ms', float('nan')):12.2f} {r.get('flax_grad_flax_ms', float('nan')):10.2f}",
+          f"{r.get('flax_grad_ours_ms', float('nan')):12.2f} {r.get('flax_grad_flax_ms', float('nan')):10.2f}"
+          + (f" | layer dtype={r['dtype']}: {r['flax16_grad_ours_ms']:.2f} {r['flax16_grad_flax_ms']:.2f}"
+             if "flax16_grad_ours_ms" in r else ""),
           flush=True)
 
 
@@ -208,7 +217,10 @@ def main(argv=None):
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--out", default="benchmarks/results/cpu.json")
   parser.add_argument("--plot", default="benchmarks/results/cpu_ln_sweep.png")
+  parser.add_argument("--keep-freed-memory", action="store_true",
+                      help="call jax_normgrad.keep_freed_memory() first (no fresh-page faults)")
   args = parser.parse_args(argv)
+  kept = jn.keep_freed_memory() if args.keep_freed_memory else False
 
   info = _bench.versions()
   try:
@@ -218,6 +230,7 @@ def main(argv=None):
   except ImportError:
     info["torch"] = None
   info["GLIBC_TUNABLES"] = os.environ.get("GLIBC_TUNABLES", "")
+  info["keep_freed_memory"] = kept
   bandwidth, method = triad_bandwidth_gbs()
   info["triad_gbs"], info["triad_method"] = bandwidth, method
   print(json.dumps(info))

@@ -10,6 +10,7 @@
 // from xhat instead of x (normalized): the AscendC / InfiniOp forms of the
 // backward run on these same kernels.
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -63,74 +64,157 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y, T* xhat_
   }
 }
 
-// dx for rows [row_begin, row_end) and this block's dweight/dbias partials:
+// The backward of one parameter group, row by row or column chunk by chunk:
 //   xhat = (x - mean) * rstd,  g = dy * w
 //   dx   = rstd * (g - mean(g) - xhat * mean(g * xhat))
-// (mean(g) is dropped when !centered: RMSNorm). The first pass over the row
-// computes the two means; the second, fused, pass finds the row in cache and
-// writes dx and accumulates dweight += dy * xhat, dbias += dy. Templated on
-// which outputs are computed, so a masked output costs nothing.
+// (mean(g) is dropped when !centered: RMSNorm), dweight += dy * xhat,
+// dbias += dy. A first pass over a row computes the two means; the second,
+// fused, pass finds the row in cache and writes dx and accumulates
+// dweight/dbias. Templated on which outputs are computed, so a masked output
+// costs nothing.
 // normalized: x already holds xhat (the forward saved it instead of x), there
 // is no mean, and rstd (null when dx is not computed) only scales dx.
 // xhat_out (optional) receives xhat in T (AscendC's res_for_gamma).
 template <typename T, bool kDx, bool kDw, bool kDb>
-void LayerNormBwdRows(const T* dy, const T* x, const float* mean, const float* rstd,
-                      const float* w, T* dx, T* xhat_out, float* dw, float* db,
-                      int64_t row_begin, int64_t row_end, int64_t H, bool centered,
-                      bool normalized) {
-  const float inv_h = 1.0f / static_cast<float>(H);
-  const bool prefetch_rows = PrefetchNextRow<T>(H);
-  for (int64_t i = row_begin; i < row_end; ++i) {
-    const T* dyr = dy + i * H;
-    const T* xr = x + i * H;
-    const float mu = (centered && !normalized) ? mean[i] : 0.f;
-    const float rs = rstd ? rstd[i] : 1.f;
-    // xhat = (x - mu) * xs; with mu = 0 and xs = 1 it is x itself, exactly, so
-    // the normalized mode needs no branch in the loops.
-    const float xs = normalized ? 1.f : rs;
-    float b = 0.f, k = 0.f;  // dx = rs * g - b - k * xhat
-    if (kDx) {
-      Acc s_g, s_gx;
-      ForRow(H, [&](auto tag, int64_t j) {
-        auto g = Ld(tag, dyr + j) * Ld(tag, w + j);
-        s_g.Add(tag, g);
-        s_gx.Add(tag, g * ((Ld(tag, xr + j) - mu) * xs));
-      });
-      b = centered ? rs * s_g.Sum() * inv_h : 0.f;
-      k = rs * s_gx.Sum() * inv_h;
-    }
-    T* dxr = kDx ? dx + i * H : nullptr;
-    T* xo = xhat_out ? xhat_out + i * H : nullptr;
-    // Next row's x and dy: fetched during this in-cache pass, so the memory
-    // system is not idle while this core computes.
-    const bool prefetch = prefetch_rows && i + 1 < row_end;
-    ForRow(H, [&](auto tag, int64_t j) {
-      if (prefetch) PrefetchLine(tag, dyr + H + j), PrefetchLine(tag, xr + H + j);
+struct LayerNormBwd {
+  const T* dy;
+  const T* x;
+  const float* mean;
+  const float* rstd;
+  const float* w;  // this group's weight row
+  T* dx;
+  T* xhat_out;
+  int64_t H;
+  bool centered, normalized;
+
+  float Mu(int64_t i) const { return (centered && !normalized) ? mean[i] : 0.f; }
+  float Rs(int64_t i) const { return rstd ? rstd[i] : 1.f; }
+  // xhat = (x - mu) * xs; with mu = 0 and xs = 1 it is x itself, exactly, so
+  // the normalized mode needs no branch in the loops.
+  float Xs(int64_t i) const { return normalized ? 1.f : Rs(i); }
+
+  // Sums of g and g * xhat over columns [c0, c0 + n) of row i.
+  void Sums(int64_t i, int64_t c0, int64_t n, float* s_g, float* s_gx) const {
+    const T* dyr = dy + i * H + c0;
+    const T* xr = x + i * H + c0;
+    const float* wr = w + c0;
+    const float mu = Mu(i), xs = Xs(i);
+    Acc a_g, a_gx;
+    ForRow(n, [&](auto tag, int64_t j) {
+      auto g = Ld(tag, dyr + j) * Ld(tag, wr + j);
+      a_g.Add(tag, g);
+      a_gx.Add(tag, g * ((Ld(tag, xr + j) - mu) * xs));
+    });
+    *s_g = a_g.Sum();
+    *s_gx = a_gx.Sum();
+  }
+
+  // dx = rs * g - b - k * xhat: b and k of row i from its two sums.
+  void Coefficients(int64_t i, float s_g, float s_gx, float* b, float* k) const {
+    const float inv_h = 1.0f / static_cast<float>(H);
+    *b = centered ? Rs(i) * s_g * inv_h : 0.f;
+    *k = Rs(i) * s_gx * inv_h;
+  }
+
+  // The fused pass over columns [c0, c0 + n) of row i; dw, db point at
+  // column c0 of the accumulators, which it adds to, or overwrites when
+  // kOverwrite (the first row into outputs nobody zeroed). Prefetches the
+  // line `ahead` elements on in dy and x (0: none).
+  template <bool kOverwrite = false>
+  void Fused(int64_t i, int64_t c0, int64_t n, float b, float k, float* dw, float* db,
+             int64_t ahead) const {
+    const T* dyr = dy + i * H + c0;
+    const T* xr = x + i * H + c0;
+    const float* wr = w + c0;
+    T* dxr = kDx ? dx + i * H + c0 : nullptr;
+    T* xo = xhat_out ? xhat_out + i * H + c0 : nullptr;
+    const float mu = Mu(i), rs = Rs(i), xs = Xs(i);
+    ForRow(n, [&](auto tag, int64_t j) {
+      if (ahead) PrefetchLine(tag, dyr + ahead + j), PrefetchLine(tag, xr + ahead + j);
       auto d = Ld(tag, dyr + j);
       auto xh = (Ld(tag, xr + j) - mu) * xs;
-      if (kDx) St(tag, dxr + j, rs * (d * Ld(tag, w + j)) - b - k * xh);
-      if (kDw) St(tag, dw + j, Ld(tag, dw + j) + d * xh);
-      if (kDb) St(tag, db + j, Ld(tag, db + j) + d);
+      if (kDx) St(tag, dxr + j, rs * (d * Ld(tag, wr + j)) - b - k * xh);
+      if (kDw) St(tag, dw + j, kOverwrite ? d * xh : Ld(tag, dw + j) + d * xh);
+      if (kDb) St(tag, db + j, kOverwrite ? d : Ld(tag, db + j) + d);
       if (xo) St(tag, xo + j, xh);
     });
   }
+
+  // Rows [row_begin, row_end) whole, into this task's dw/db accumulators.
+  void Rows(int64_t row_begin, int64_t row_end, float* dw, float* db) const {
+    const bool prefetch_rows = PrefetchNextRow<T>(H);
+    for (int64_t i = row_begin; i < row_end; ++i) {
+      float b = 0.f, k = 0.f;
+      if (kDx) {
+        float s_g, s_gx;
+        Sums(i, 0, H, &s_g, &s_gx);
+        Coefficients(i, s_g, s_gx, &b, &k);
+      }
+      // Next row's x and dy: fetched during this in-cache pass, so the
+      // memory system is not idle while this core computes.
+      Fused(i, 0, H, b, k, dw, db, prefetch_rows && i + 1 < row_end ? H : 0);
+    }
+  }
+};
+
+// Calls fn(std::bool_constant<dx>, <dw>, <db>) with the output mask as types.
+template <typename Fn>
+void WithMask(bool dx, bool dw, bool db, const Fn& fn) {
+  using T_ = std::true_type;
+  using F_ = std::false_type;
+  switch ((dx ? 4 : 0) + (dw ? 2 : 0) + (db ? 1 : 0)) {
+    case 0: return fn(F_{}, F_{}, F_{});
+    case 1: return fn(F_{}, F_{}, T_{});
+    case 2: return fn(F_{}, T_{}, F_{});
+    case 3: return fn(F_{}, T_{}, T_{});
+    case 4: return fn(T_{}, F_{}, F_{});
+    case 5: return fn(T_{}, F_{}, T_{});
+    case 6: return fn(T_{}, T_{}, F_{});
+    default: return fn(T_{}, T_{}, T_{});
+  }
 }
 
-// LayerNormBwdRows with the output mask as template arguments.
-template <typename T>
-void LayerNormBwdRowsMasked(bool do_dx, bool do_dw, bool do_db, const T* dy, const T* x,
-                            const float* mean, const float* rstd, const float* w, T* dx,
-                            T* xhat_out, float* dw, float* db, int64_t row_begin,
-                            int64_t row_end, int64_t H, bool centered, bool normalized) {
-  using Fn = void (*)(const T*, const T*, const float*, const float*, const float*, T*, T*,
-                      float*, float*, int64_t, int64_t, int64_t, bool, bool);
-  static constexpr Fn kTable[8] = {
-      LayerNormBwdRows<T, false, false, false>, LayerNormBwdRows<T, false, false, true>,
-      LayerNormBwdRows<T, false, true, false>,  LayerNormBwdRows<T, false, true, true>,
-      LayerNormBwdRows<T, true, false, false>,  LayerNormBwdRows<T, true, false, true>,
-      LayerNormBwdRows<T, true, true, false>,   LayerNormBwdRows<T, true, true, true>};
-  kTable[(do_dx ? 4 : 0) + (do_dw ? 2 : 0) + (do_db ? 1 : 0)](
-      dy, x, mean, rstd, w, dx, xhat_out, dw, db, row_begin, row_end, H, centered, normalized);
+// Few, long rows (fewer than kMinRowsForRowTasks per parameter group): the
+// rows are split into column chunks across the pool, so one row uses every
+// core. Phase 1: the two sums of every (row, chunk); per row they are added
+// in chunk order. Phase 2: each chunk's task runs the fused pass over its
+// columns of every row and owns its dweight/dbias columns outright (no
+// partials; the first row overwrites them, so they need no zeroing). The
+// second phase reads x and dy again: worth it only where the rows are too
+// few to keep the pool busy.
+constexpr int64_t kMinRowsForRowTasks = 4;
+constexpr int64_t kMinColumnsPerChunk = int64_t{1} << 14;
+
+template <typename Op>
+void ColumnChunkedBwd(ffi::ThreadPool* pool, const Op& op, int64_t row_begin, int64_t row_end,
+                      bool with_dx, float* dw, float* db) {
+  const int64_t rows = row_end - row_begin, H = op.H;
+  // Chunk borders on 64-element multiples keep vector loads line-aligned.
+  const int64_t chunks = NumTasks(H, kMinColumnsPerChunk, kMaxTasks);
+  auto border = [&](int64_t c) { return c == chunks ? H : BlockBegin(H / 64, chunks, c) * 64; };
+  std::vector<float> b(static_cast<size_t>(rows), 0.f), k(static_cast<size_t>(rows), 0.f);
+  if (with_dx) {
+    std::vector<float> sums(static_cast<size_t>(2 * rows * chunks));
+    ParallelFor(pool, rows * chunks, [&](int64_t t) {
+      const int64_t r = t / chunks, c = t % chunks;
+      op.Sums(row_begin + r, border(c), border(c + 1) - border(c), &sums[2 * t], &sums[2 * t + 1]);
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      float s_g = 0.f, s_gx = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        s_g += sums[2 * (r * chunks + c)];
+        s_gx += sums[2 * (r * chunks + c) + 1];
+      }
+      op.Coefficients(row_begin + r, s_g, s_gx, &b[r], &k[r]);
+    }
+  }
+  ParallelFor(pool, chunks, [&](int64_t c) {
+    const int64_t c0 = border(c), n = border(c + 1) - c0;
+    float* dwc = dw ? dw + c0 : nullptr;
+    float* dbc = db ? db + c0 : nullptr;
+    op.template Fused<true>(row_begin, c0, n, b[0], k[0], dwc, dbc, 0);
+    for (int64_t r = 1; r < rows; ++r) op.Fused(row_begin + r, c0, n, b[r], k[r], dwc, dbc, 0);
+  });
 }
 
 // Parameters as float32 rows for every group, ones / zeros where absent, so
@@ -218,19 +302,28 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   JNG_RETURN_IF_ERROR(CheckSize("grad_bias", dbias->element_count(), compute_dbias ? W * H : 0));
   float* dw_out = compute_dweight ? dweight->typed_data() : nullptr;
   float* db_out = compute_dbias ? dbias->typed_data() : nullptr;
-  if (dw_out) std::fill(dw_out, dw_out + W * H, 0.f);
-  if (db_out) std::fill(db_out, db_out + W * H, 0.f);
+  const int64_t rows_per_group = M / W;
+  // Few, long rows: column chunks (which write dweight/dbias without zeroing).
+  const bool column_chunks = rows_per_group > 0 && rows_per_group < kMinRowsForRowTasks &&
+                             H >= 2 * kMinColumnsPerChunk;
+  if (dw_out && !column_chunks) std::fill(dw_out, dw_out + W * H, 0.f);
+  if (db_out && !column_chunks) std::fill(db_out, db_out + W * H, 0.f);
   if (M == 0 || H == 0) return ffi::Error::Success();
 
+  const std::vector<float> w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f);
+  const float* mean_p = centered && !normalized ? mean.typed_data() : nullptr;
+  const float* rstd_p = needs_rstd ? rstd.typed_data() : nullptr;
+
   const bool need_partials = dw_out || db_out;
-  int64_t per_group = NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks);
+  int64_t per_group = NumTasks(rows_per_group, CeilDiv(kMinElementsPerTask, H), kMaxTasks);
   if (need_partials) {
     // Each task writes and later re-reads its own H-long dweight/dbias rows:
     // traffic of 1/rows-per-task of the inputs'. Keep tasks at least
     // kMinRowsPerPartial rows long (but two of them where there are rows).
-    const int64_t by_rows = std::max<int64_t>(2, (M / W) / kMinRowsPerPartial);
+    const int64_t by_rows = std::max<int64_t>(2, rows_per_group / kMinRowsPerPartial);
     per_group = std::max<int64_t>(1, std::min({per_group, kMaxPartialFloats / (W * H), by_rows}));
   }
+  if (column_chunks) per_group = 1;
   RowGroupTasks split(M, W, per_group);
   // Per-task partial sums of dweight/dbias, summed in task order afterwards.
   // With one task per group the partials are the outputs themselves.
@@ -240,9 +333,6 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     if (dw_out) dw_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
     if (db_out) db_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
   }
-  const std::vector<float> w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f);
-  const float* mean_p = centered && !normalized ? mean.typed_data() : nullptr;
-  const float* rstd_p = needs_rstd ? rstd.typed_data() : nullptr;
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* dyp = reinterpret_cast<const T*>(dy.untyped_data());
@@ -250,13 +340,24 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
     AdviseHugePages(dxp, compute_dx ? M * H * static_cast<int64_t>(sizeof(T)) : 0);
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
-    ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
-      const int64_t grp = split.group(t);
-      float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
-      float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
-      LayerNormBwdRowsMasked(compute_dx, dw != nullptr, db != nullptr, dyp, xp, mean_p, rstd_p,
-                             w.data() + grp * H, dxp, xhp, dw, db, split.begin(t), split.end(t),
-                             H, centered, normalized);
+    WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
+      using Op = LayerNormBwd<T, decltype(kdx)::value, decltype(kdw)::value, decltype(kdb)::value>;
+      auto op_of = [&](int64_t grp) {
+        return Op{dyp, xp, mean_p, rstd_p, w.data() + grp * H, dxp, xhp, H, centered, normalized};
+      };
+      if (column_chunks) {
+        for (int64_t grp = 0; grp < W; ++grp)
+          ColumnChunkedBwd(&pool, op_of(grp), grp * rows_per_group, (grp + 1) * rows_per_group,
+                           compute_dx, dw_out ? dw_out + grp * H : nullptr,
+                           db_out ? db_out + grp * H : nullptr);
+        return;
+      }
+      ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
+        const int64_t grp = split.group(t);
+        float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
+        float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
+        op_of(grp).Rows(split.begin(t), split.end(t), dw, db);
+      });
     });
     if (use_partials) {
       for (int64_t grp = 0; grp < W; ++grp) {

@@ -17,6 +17,7 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 from jax_normgrad import _ffi  # noqa: E402,F401  (registers the CPU FFI targets)
 from jax_normgrad._ffi import export_safety_checks  # noqa: E402
 from jax_normgrad._implementation import FallbackWarning  # noqa: E402
+from jax_normgrad._malloc import keep_freed_memory  # noqa: E402
 from jax_normgrad._sharding import ShardingWarning  # noqa: E402
 from jax_normgrad._validation import IMPLEMENTATIONS, SUPPORTED_DTYPES
 from jax_normgrad.ops.group_norm import group_norm, group_norm_backward, group_norm_fwd
@@ -36,6 +37,7 @@ __all__ = [
     "group_norm",
     "group_norm_backward",
     "group_norm_fwd",
+    "keep_freed_memory",
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_backward_from_normalized",

@@ -167,6 +167,50 @@ class LayerNormOpTests:
 class TestLayerNormDefault(LayerNormOpTests):
   implementation = None
 
+  # Fewer than 4 rows of at least 2 * 16,384 (per parameter group): the CPU
+  # kernel splits the rows into column chunks (ColumnChunkedBwd).
+  FEW_LONG_ROWS = [((3, 40_007), jnp.float32), ((1, 2, 33_001), jnp.bfloat16)]
+
+  def test_few_long_rows_every_mask(self, rng, mask):
+    for shape, dtype in self.FEW_LONG_ROWS:
+      h, rows = shape[-1], math.prod(shape[:-1])
+      x, dy, w, b = _inputs(rng, shape, (h,), dtype)
+      mean, rstd = ref.ln_stats(x, 1, 1e-5)
+      mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+      outs = jn.layer_norm_backward(dy, x, (h,), mean, rstd, w, b, mask)
+      refs = ref.ln_bwd(dy, x, 1, mean, rstd, w)
+      scales = (ref.dx_scale(dy, rstd, w), None, None)
+      for out, expected, m, reduced, scale in zip(outs, refs, mask, (h, rows, rows), scales):
+        assert (out is None) == (not m)
+        if m:
+          assert_close(out, expected, dtype, reduced, scale=scale)
+      # RMSNorm runs the same kernel without the mean terms.
+      rs = ref.rms_fwd(x, 1, w)[1].astype(np.float32)
+      got = jn.rms_norm_backward(dy, x, (h,), rs, w, mask[:2])
+      for out, expected, m in zip(got, ref.rms_bwd(dy, x, 1, rs, w), mask[:2]):
+        if m:
+          assert_close(out, expected, dtype, h if out.shape == x.shape else rows)
+
+  def test_few_long_rows_deterministic_and_per_example_weights(self, rng):
+    shape = (2, 40_007)
+    x, dy, w, b = _inputs(rng, shape, shape[1:], jnp.float32)
+    mean, rstd = ref.ln_stats(x, 1, 1e-5)
+    args = (dy, x, mean.astype(np.float32), rstd.astype(np.float32), w, b)
+    f = jax.jit(lambda dy, x, m, r, w, b: jn.layer_norm_backward(dy, x, shape[1], m, r, w, b))
+    first = [np.asarray(o) for o in f(*args)]
+    for _ in range(3):
+      for a, b_ in zip(first, f(*args)):
+        np.testing.assert_array_equal(a, np.asarray(b_))
+    # vmap with a weight per example: two parameter groups of one row each.
+    ws = np.stack([w, w[::-1]])
+    got = jax.vmap(lambda dy, x, m, r, w: jn.layer_norm_backward(dy[None], x[None], shape[1],
+                                                                  m[None], r[None], w, b))(
+        dy, x, args[2].reshape(2), args[3].reshape(2), ws)
+    for i in range(2):
+      expected = ref.ln_bwd(dy[i:i + 1], x[i:i + 1], 1, args[2][i:i + 1], args[3][i:i + 1], ws[i])
+      for out, e, reduced in zip(got, expected, (shape[1], 1, 1)):
+        assert_close(out[i].reshape(e.shape), e, jnp.float32, reduced)
+
 
 class TestLayerNormXla(LayerNormOpTests):
   implementation = "xla"
