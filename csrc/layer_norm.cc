@@ -25,6 +25,20 @@ namespace {
 constexpr int64_t kMaxPartialFloats = int64_t{1} << 23;
 constexpr int64_t kMinRowsPerPartial = 8;
 
+// y = xhat * w + b for n elements, xhat = (x - mu) * rs, and xhat itself into
+// xo when given (w and b are never null: ones / zeros stand in for absent
+// ones). Prefetches the line `ahead` elements on in x (0: none).
+template <typename T>
+void FwdOutput(const T* x, const float* w, const float* b, T* y, T* xo, int64_t n, float mu,
+               float rs, int64_t ahead) {
+  ForRow(n, [&](auto tag, int64_t j) {
+    if (ahead) PrefetchLine(tag, x + ahead + j);
+    auto xh = (Ld(tag, x + j) - mu) * rs;
+    if (xo) St(tag, xo + j, xh);
+    St(tag, y + j, xh * Ld(tag, w + j) + Ld(tag, b + j));
+  });
+}
+
 // `xhat_out` (optional) receives xhat = (x - mean) * rstd in T, for a backward
 // from the normalized input (layer_norm(save="normalized")).
 template <typename T>
@@ -51,17 +65,83 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y, T* xhat_
     const float rs = 1.0f / std::sqrt(q.Sum() * inv_h + eps);
     if (mean_out) mean_out[i] = mu;
     rstd_out[i] = rs;
-    T* yr = y + i * H;
-    T* xo = xhat_out ? xhat_out + i * H : nullptr;
-    // w and b are never null here (ones / zeros stand in for absent ones).
-    const bool prefetch = prefetch_rows && i + 1 < row_end;
-    ForRow(H, [&](auto tag, int64_t j) {
-      if (prefetch) PrefetchLine(tag, xr + H + j);
-      auto xh = (Ld(tag, xr + j) - mu) * rs;
-      if (xo) St(tag, xo + j, xh);
-      St(tag, yr + j, xh * Ld(tag, w + j) + Ld(tag, b + j));
-    });
+    FwdOutput(xr, w, b, y + i * H, xhat_out ? xhat_out + i * H : nullptr, H, mu, rs,
+              prefetch_rows && i + 1 < row_end ? H : 0);
   }
+}
+
+// Few, long rows (fewer than kMinRowsForRowTasks per parameter group, of at
+// least 2 * kMinColumnsPerChunk): the kernels split the rows into column
+// chunks across the pool, so one row uses every core.
+constexpr int64_t kMinRowsForRowTasks = 4;
+constexpr int64_t kMinColumnsPerChunk = int64_t{1} << 14;
+
+bool UseColumnChunks(int64_t rows_per_group, int64_t H) {
+  return rows_per_group > 0 && rows_per_group < kMinRowsForRowTasks &&
+         H >= 2 * kMinColumnsPerChunk;
+}
+
+// Column chunks of a row of H: borders on 64-element multiples (vector loads
+// stay line-aligned), the last chunk to H. Shape-only (determinism).
+struct ColumnChunks {
+  int64_t H, count;
+  explicit ColumnChunks(int64_t h) : H(h), count(NumTasks(h, kMinColumnsPerChunk, kMaxTasks)) {}
+  int64_t begin(int64_t c) const { return c == count ? H : BlockBegin(H / 64, count, c) * 64; }
+  int64_t size(int64_t c) const { return begin(c + 1) - begin(c); }
+};
+
+// The forward of rows [row_begin, row_end) by column chunks. Phase 1: per
+// (row, chunk) a mean and M2 (the sum of squared deviations; two passes
+// over the chunk, in cache), merged per row in chunk order (Chan et al.):
+// the cancellation-free variance with one pass over memory. RMSNorm sums
+// x^2 instead. Phase 2: the output pass per (row, chunk).
+template <typename T>
+void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const float* w, const float* b,
+                         T* y, T* xhat_out, float* mean_out, float* rstd_out,
+                         int64_t row_begin, int64_t row_end, int64_t H, float eps,
+                         bool centered) {
+  const ColumnChunks cc(H);
+  const int64_t rows = row_end - row_begin, units = rows * cc.count;
+  std::vector<float> cm(static_cast<size_t>(units)), cq(static_cast<size_t>(units));
+  ParallelFor(pool, units, [&](int64_t u) {
+    const int64_t i = row_begin + u / cc.count, c = u % cc.count, n = cc.size(c);
+    const T* xr = x + i * H + cc.begin(c);
+    float m = 0.f;
+    if (centered) {
+      Acc s;
+      ForRow(n, [&](auto tag, int64_t j) { s.Add(tag, Ld(tag, xr + j)); });
+      m = s.Sum() / static_cast<float>(n);
+    }
+    Acc q;
+    ForRow(n, [&](auto tag, int64_t j) {
+      auto d = Ld(tag, xr + j) - m;
+      q.Add(tag, d * d);
+    });
+    cm[u] = m;
+    cq[u] = q.Sum();
+  });
+  std::vector<float> mu(static_cast<size_t>(rows)), rs(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    float mean = 0.f, m2 = 0.f;
+    int64_t count = 0;
+    for (int64_t c = 0; c < cc.count; ++c) {
+      const int64_t u = r * cc.count + c, n = cc.size(c), total = count + n;
+      const float fb = static_cast<float>(n) / static_cast<float>(total);
+      const float delta = cm[u] - mean;
+      mean += delta * fb;
+      m2 += cq[u] + delta * delta * static_cast<float>(count) * fb;
+      count = total;
+    }
+    mu[r] = mean;
+    rs[r] = 1.0f / std::sqrt(m2 / static_cast<float>(H) + eps);
+    if (mean_out) mean_out[row_begin + r] = mean;
+    rstd_out[row_begin + r] = rs[r];
+  }
+  ParallelFor(pool, units, [&](int64_t u) {
+    const int64_t r = u / cc.count, i = row_begin + r, c0 = cc.begin(u % cc.count);
+    FwdOutput(x + i * H + c0, w + c0, b + c0, y + i * H + c0,
+              xhat_out ? xhat_out + i * H + c0 : nullptr, cc.size(u % cc.count), mu[r], rs[r], 0);
+  });
 }
 
 // The backward of one parameter group, row by row or column chunk by chunk:
@@ -174,24 +254,20 @@ void WithMask(bool dx, bool dw, bool db, const Fn& fn) {
   }
 }
 
-// Few, long rows (fewer than kMinRowsForRowTasks per parameter group): the
-// rows are split into column chunks across the pool, so one row uses every
-// core. Phase 1: the two sums of every (row, chunk); per row they are added
-// in chunk order. Phase 2: each chunk's task runs the fused pass over its
+// The backward of few, long rows (UseColumnChunks) by column chunks.
+// Phase 1: the two sums of every (row, chunk); per row they are added in
+// chunk order. Phase 2: each chunk's task runs the fused pass over its
 // columns of every row and owns its dweight/dbias columns outright (no
 // partials; the first row overwrites them, so they need no zeroing). The
 // second phase reads x and dy again: worth it only where the rows are too
 // few to keep the pool busy.
-constexpr int64_t kMinRowsForRowTasks = 4;
-constexpr int64_t kMinColumnsPerChunk = int64_t{1} << 14;
-
 template <typename Op>
 void ColumnChunkedBwd(ffi::ThreadPool* pool, const Op& op, int64_t row_begin, int64_t row_end,
                       bool with_dx, float* dw, float* db) {
-  const int64_t rows = row_end - row_begin, H = op.H;
-  // Chunk borders on 64-element multiples keep vector loads line-aligned.
-  const int64_t chunks = NumTasks(H, kMinColumnsPerChunk, kMaxTasks);
-  auto border = [&](int64_t c) { return c == chunks ? H : BlockBegin(H / 64, chunks, c) * 64; };
+  const int64_t rows = row_end - row_begin;
+  const ColumnChunks cc(op.H);
+  const int64_t chunks = cc.count;
+  auto border = [&](int64_t c) { return cc.begin(c); };
   std::vector<float> b(static_cast<size_t>(rows), 0.f), k(static_cast<size_t>(rows), 0.f);
   if (with_dx) {
     std::vector<float> sums(static_cast<size_t>(2 * rows * chunks));
@@ -219,8 +295,11 @@ void ColumnChunkedBwd(ffi::ThreadPool* pool, const Op& op, int64_t row_begin, in
 
 // Parameters as float32 rows for every group, ones / zeros where absent, so
 // the row loops need no branch on presence.
-std::vector<float> ParamsOrConstant(const float* p, int64_t size, float constant) {
-  return p ? std::vector<float>(p, p + size) : std::vector<float>(static_cast<size_t>(size), constant);
+const float* ParamsOrConstant(const float* p, int64_t size, float constant,
+                              std::vector<float>* storage) {
+  if (p) return p;  // used in place: a long row's weight is as big as x
+  storage->assign(static_cast<size_t>(size), constant);
+  return storage->data();
 }
 
 }  // namespace
@@ -250,8 +329,9 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   JNG_RETURN_IF_ERROR(CheckSize("xhat", xhat->element_count(), write_xhat ? M * H : 0));
   if (M == 0) return ffi::Error::Success();
   if (H == 0) return ffi::Error::InvalidArgument("x: normalized size must be positive");
-  const std::vector<float> w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f);
-  const std::vector<float> b = ParamsOrConstant(has_bias ? bias.typed_data() : nullptr, W * H, 0.f);
+  std::vector<float> w_ones, b_zeros;
+  const float* w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f, &w_ones);
+  const float* b = ParamsOrConstant(has_bias ? bias.typed_data() : nullptr, W * H, 0.f, &b_zeros);
   float* mean_p = centered ? mean->typed_data() : nullptr;
   float* rstd_p = rstd->typed_data();
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
@@ -260,10 +340,16 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     T* yp = reinterpret_cast<T*>(y->untyped_data());
     AdviseHugePages(yp, M * H * static_cast<int64_t>(sizeof(T)));
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
+    if (UseColumnChunks(M / W, H)) {
+      for (int64_t grp = 0; grp < W; ++grp)
+        LayerNormFwdChunked(&pool, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
+                            rstd_p, grp * (M / W), (grp + 1) * (M / W), H, eps, centered);
+      return ffi::Error::Success();
+    }
     RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
     ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
       const int64_t grp = split.group(t);
-      LayerNormFwdRows(xp, w.data() + grp * H, b.data() + grp * H, yp, xhp, mean_p, rstd_p,
+      LayerNormFwdRows(xp, w + grp * H, b + grp * H, yp, xhp, mean_p, rstd_p,
                        split.begin(t), split.end(t), H, eps, centered);
     });
     return ffi::Error::Success();
@@ -304,13 +390,13 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   float* db_out = compute_dbias ? dbias->typed_data() : nullptr;
   const int64_t rows_per_group = M / W;
   // Few, long rows: column chunks (which write dweight/dbias without zeroing).
-  const bool column_chunks = rows_per_group > 0 && rows_per_group < kMinRowsForRowTasks &&
-                             H >= 2 * kMinColumnsPerChunk;
+  const bool column_chunks = UseColumnChunks(rows_per_group, H);
   if (dw_out && !column_chunks) std::fill(dw_out, dw_out + W * H, 0.f);
   if (db_out && !column_chunks) std::fill(db_out, db_out + W * H, 0.f);
   if (M == 0 || H == 0) return ffi::Error::Success();
 
-  const std::vector<float> w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f);
+  std::vector<float> w_ones;
+  const float* w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f, &w_ones);
   const float* mean_p = centered && !normalized ? mean.typed_data() : nullptr;
   const float* rstd_p = needs_rstd ? rstd.typed_data() : nullptr;
 
@@ -343,7 +429,7 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
       using Op = LayerNormBwd<T, decltype(kdx)::value, decltype(kdw)::value, decltype(kdb)::value>;
       auto op_of = [&](int64_t grp) {
-        return Op{dyp, xp, mean_p, rstd_p, w.data() + grp * H, dxp, xhp, H, centered, normalized};
+        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dxp, xhp, H, centered, normalized};
       };
       if (column_chunks) {
         for (int64_t grp = 0; grp < W; ++grp)

@@ -191,6 +191,31 @@ class TestLayerNormDefault(LayerNormOpTests):
         if m:
           assert_close(out, expected, dtype, h if out.shape == x.shape else rows)
 
+  def test_few_long_rows_forward(self, rng):
+    for (shape, dtype), offset in zip(self.FEW_LONG_ROWS, (1000.0, 0.5)):
+      h = shape[-1]
+      # A large offset: the chunk moments must merge without cancellation.
+      x = random(rng, shape, dtype, scale=2.0, offset=offset)
+      w, b = random(rng, (h,), dtype, offset=1.0), random(rng, (h,), dtype)
+      y, mean, rstd = jn.layer_norm_fwd(x, (h,), w, b)
+      y_ref, mean_ref, rstd_ref = ref.ln_fwd(x, 1, w, b, 1e-5)
+      y_scale, mean_scale, rstd_scale = ref.fwd_scales(x, rstd_ref, w)
+      assert_close(y, y_ref, dtype, h, "y", scale=y_scale)
+      assert_close(mean, mean_ref, jnp.float32, h, "mean", scale=mean_scale)
+      assert_close(rstd, rstd_ref, jnp.float32, h, "rstd", scale=rstd_scale)
+      y, rs = jn.rms_norm_fwd(x, (h,), w)
+      y_ref, rs_ref = ref.rms_fwd(x, 1, w)
+      assert_close(y, y_ref, dtype, h, "rms y")
+      assert_close(rs, rs_ref, jnp.float32, h, "rms rstd")
+      # save="normalized": the forward also writes xhat.
+      g = jax.grad(lambda x, w, b: jnp.vdot(jn.layer_norm(x, w, b, save="normalized")
+                                            .astype(jnp.float32), jnp.ones(shape)), (0, 1, 2))
+      g_ref = jax.grad(lambda x, w, b: jnp.vdot(jn.layer_norm(x, w, b, implementation="xla")
+                                                .astype(jnp.float32), jnp.ones(shape)), (0, 1, 2))
+      for a, e in zip(g(x, w, b), g_ref(x, w, b)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32),
+                                   rtol=0.05, atol=0.05 * float(jnp.max(jnp.abs(e))))
+
   def test_few_long_rows_deterministic_and_per_example_weights(self, rng):
     shape = (2, 40_007)
     x, dy, w, b = _inputs(rng, shape, shape[1:], jnp.float32)
@@ -210,6 +235,10 @@ class TestLayerNormDefault(LayerNormOpTests):
       expected = ref.ln_bwd(dy[i:i + 1], x[i:i + 1], 1, args[2][i:i + 1], args[3][i:i + 1], ws[i])
       for out, e, reduced in zip(got, expected, (shape[1], 1, 1)):
         assert_close(out[i].reshape(e.shape), e, jnp.float32, reduced)
+    # And the forward, per example.
+    y = jax.vmap(lambda x, w: jn.layer_norm_fwd(x[None], shape[1], w, b)[0])(x, ws)
+    for i in range(2):
+      assert_close(y[i], ref.ln_fwd(x[i:i + 1], 1, ws[i], b, 1e-5)[0], jnp.float32, shape[1])
 
 
 class TestLayerNormXla(LayerNormOpTests):
