@@ -391,6 +391,9 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   const int64_t rows_per_group = M / W;
   // Few, long rows: column chunks (which write dweight/dbias without zeroing).
   const bool column_chunks = UseColumnChunks(rows_per_group, H);
+  // Long rows make the parameter gradients as big as a tensor (see AdviseHugePages).
+  AdviseHugePages(dw_out, dw_out ? W * H * 4 : 0);
+  AdviseHugePages(db_out, db_out ? W * H * 4 : 0);
   if (dw_out && !column_chunks) std::fill(dw_out, dw_out + W * H, 0.f);
   if (db_out && !column_chunks) std::fill(db_out, db_out + W * H, 0.f);
   if (M == 0 || H == 0) return ffi::Error::Success();
