@@ -76,6 +76,10 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y, T* xhat_
 constexpr int64_t kMinRowsForRowTasks = 4;
 constexpr int64_t kMinColumnsPerChunk = int64_t{1} << 14;
 
+// The backward also takes column chunks for long rows when a group's x and
+// dy together are at most this big (see LayerNormBwdImpl).
+constexpr int64_t kColumnChunksMaxBytes = int64_t{32} << 20;
+
 bool UseColumnChunks(int64_t rows_per_group, int64_t H) {
   return rows_per_group > 0 && rows_per_group < kMinRowsForRowTasks &&
          H >= 2 * kMinColumnsPerChunk;
@@ -390,7 +394,15 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   float* db_out = compute_dbias ? dbias->typed_data() : nullptr;
   const int64_t rows_per_group = M / W;
   // Few, long rows: column chunks (which write dweight/dbias without zeroing).
-  const bool column_chunks = UseColumnChunks(rows_per_group, H);
+  // Also long rows whose x and dy fit a large last-level cache: the second
+  // phase's re-read is served by it, and chunk-owned parameter gradients
+  // save the per-task partials (64x65536 float32: 3.3 -> 2.3 ms; at twice
+  // the size the row tasks win again).
+  const bool column_chunks =
+      UseColumnChunks(rows_per_group, H) ||
+      (H >= 2 * kMinColumnsPerChunk && M > 0 &&
+       (static_cast<int64_t>(x.size_bytes()) + static_cast<int64_t>(dy.size_bytes())) / W <=
+           kColumnChunksMaxBytes);
   // Long rows make the parameter gradients as big as a tensor (see AdviseHugePages).
   AdviseHugePages(dw_out, dw_out ? W * H * 4 : 0);
   AdviseHugePages(db_out, db_out ? W * H * 4 : 0);

@@ -167,9 +167,22 @@ class LayerNormOpTests:
 class TestLayerNormDefault(LayerNormOpTests):
   implementation = None
 
-  # Fewer than 4 rows of at least 2 * 16,384 (per parameter group): the CPU
-  # kernel splits the rows into column chunks (ColumnChunkedBwd).
-  FEW_LONG_ROWS = [((3, 40_007), jnp.float32), ((1, 2, 33_001), jnp.bfloat16)]
+  # Rows of at least 2 * 16,384 that the CPU kernels split into column chunks
+  # (ColumnChunkedBwd, LayerNormFwdChunked): fewer than 4 rows per parameter
+  # group, or (backward only) x and dy within 32 MiB.
+  FEW_LONG_ROWS = [((3, 40_007), jnp.float32), ((1, 2, 33_001), jnp.bfloat16),
+                   ((6, 40_007), jnp.float32)]
+
+  def test_long_rows_by_row_tasks(self, rng):
+    # x and dy over 32 MiB: long rows go to row tasks with per-task partials.
+    shape = (9, 1_000_003)
+    x, dy, w, b = _inputs(rng, shape, shape[1:], jnp.float32)
+    mean, rstd = ref.ln_stats(x, 1, 1e-5)
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    outs = jn.layer_norm_backward(dy, x, shape[1:], mean, rstd, w, b)
+    refs = ref.ln_bwd(dy, x, 1, mean, rstd, w)
+    for out, e, reduced in zip(outs, refs, (shape[1], 9, 9)):
+      assert_close(out, e, jnp.float32, reduced)
 
   def test_few_long_rows_every_mask(self, rng, mask):
     for shape, dtype in self.FEW_LONG_ROWS:
@@ -192,7 +205,7 @@ class TestLayerNormDefault(LayerNormOpTests):
           assert_close(out, expected, dtype, h if out.shape == x.shape else rows)
 
   def test_few_long_rows_forward(self, rng):
-    for (shape, dtype), offset in zip(self.FEW_LONG_ROWS, (1000.0, 0.5)):
+    for (shape, dtype), offset in zip(self.FEW_LONG_ROWS, (1000.0, 0.5, 3.0)):
       h = shape[-1]
       # A large offset: the chunk moments must merge without cancellation.
       x = random(rng, shape, dtype, scale=2.0, offset=offset)
