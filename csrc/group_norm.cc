@@ -102,17 +102,6 @@ void ExpandGroups(const GnShape& s, const float* per_group, int64_t n_begin, int
     for (int64_t c = 0; c < s.C; ++c) out[n * s.C + c] = per_group[n * s.G + c / s.Cg];
 }
 
-// out[n, g] = scale * sum_{c in g} v[n, c] for samples [n_begin, n_end).
-void GroupSums(const GnShape& s, const float* v, float scale, int64_t n_begin, int64_t n_end,
-               float* out) {
-  for (int64_t n = n_begin; n < n_end; ++n)
-    for (int64_t g = 0; g < s.G; ++g) {
-      float acc = 0.f;
-      for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) acc += v[n * s.C + c];
-      out[n * s.G + g] = acc * scale;
-    }
-}
-
 // Per-(n, c) backward coefficients: dx = a dy - b - k (x - mean) where
 //   a = rstd gamma[c],  b = rstd mean(g),  k = rstd^2 mean(g xhat),
 // i.e. rstd * (g - mean(g) - xhat * mean(g xhat)) with xhat = (x - mean) rstd.
