@@ -79,6 +79,19 @@ def expect_fallback(expected: bool):
   assert bool(got) == expected, [str(c.message) for c in got]
 
 
+def assert_matches_original(run, ours, theirs, dtype, kernel: bool):
+  """``run(layer) -> (outputs, kernel calls)`` of the drop-in and the original agree.
+
+  The drop-in's run warns of a fallback exactly when ``kernel`` is False, and
+  calls the kernels exactly when it is True.
+  """
+  with expect_fallback(not kernel):
+    ours_out, calls = run(ours)
+  theirs_out, _ = run(theirs)
+  assert_trees_close(ours_out, theirs_out, "y, loss, grads", dtype)
+  assert (calls > 0) == kernel
+
+
 def cotangent(shape, dtype=jnp.float32, seed=7):
   return normal(shape, dtype, seed)
 

@@ -12,8 +12,8 @@ nnx = pytest.importorskip("flax.nnx")
 
 import jax_normgrad.flax as jf  # noqa: E402
 import jax_normgrad.nnx as jx  # noqa: E402
-from dropin import (assert_same_structure, assert_trees_close, cotangent, expect_fallback,  # noqa: E402
-                    kernel_calls, linear_loss, normal, random_like, run_jitted,
+from dropin import (assert_matches_original, assert_same_structure, assert_trees_close,  # noqa: E402
+                    cotangent, expect_fallback, kernel_calls, linear_loss, normal, random_like, run_jitted,
                     tol_dtype)
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -232,11 +232,7 @@ def test_nnx_matches_flax(name, args, kwargs, shape, dtype, kernel):
     loss = lambda st, x: linear_loss(y(st, x), ct)
     return run_jitted(lambda st, x: (y(st, x), jax.value_and_grad(loss, argnums=(0, 1))(st, x)),
                       st, x)
-  with expect_fallback(not kernel):
-    ours_out, calls = run(ours)
-  theirs_out, _ = run(theirs)
-  assert_trees_close(ours_out, theirs_out, "y, loss, grads", low)
-  assert (calls > 0) == kernel
+  assert_matches_original(run, ours, theirs, low, kernel)
 
 
 def test_nnx_constructor_is_flax_constructor():
