@@ -101,6 +101,19 @@ ffi::Error DispatchFloat(ffi::DataType dtype, const char* what, Fn&& fn) {
   }
 }
 
+// For an operand that may be x's dtype or float32 (y of the forward with a
+// float32 result, dy of its backward): calls `fn(U{})` with U = T, the
+// storage type of x, or float; an error naming `what` for any other dtype.
+// A 16-bit x with a float32 y is the mixed precision of a float32 model
+// with 16-bit activations: no float32 copy of x is ever made.
+template <typename T, typename Fn>
+ffi::Error DispatchSameOrF32(ffi::DataType dtype, ffi::DataType x_dtype, const char* what,
+                             Fn&& fn) {
+  if (dtype == x_dtype) return fn(T{});
+  if (dtype == ffi::DataType::F32) return fn(float{});
+  return ffi::Error::InvalidArgument(std::string(what) + ": dtype must be x's or float32");
+}
+
 // ---------------------------------------------------------------------------
 // Deterministic parallel-for on the FFI thread pool.
 //

@@ -5,7 +5,9 @@
 // with per-example parameters): group k uses weight[k] and bias[k] and its
 // rows sum into dweight[k] and dbias[k].
 // Statistics, weight and bias arrive as float32 (the Python side converts the
-// small vectors), so the kernels are templated on the storage type of x alone.
+// small vectors), so the kernels are templated on the storage type of x, and
+// of y (forward) or dy (backward), which is x's or float32 (a 16-bit x with a
+// float32 result).
 // Both handlers can also write xhat (write_xhat), and the backward can start
 // from xhat instead of x (normalized): the AscendC / InfiniOp forms of the
 // backward run on these same kernels.
@@ -28,8 +30,8 @@ constexpr int64_t kMinRowsPerPartial = 8;
 // y = xhat * w + b for n elements, xhat = (x - mu) * rs, and xhat itself into
 // xo when given (w and b are never null: ones / zeros stand in for absent
 // ones). Prefetches the line `ahead` elements on in x (0: none).
-template <typename T>
-void FwdOutput(const T* x, const float* w, const float* b, T* y, T* xo, int64_t n, float mu,
+template <typename T, typename Ty>
+void FwdOutput(const T* x, const float* w, const float* b, Ty* y, T* xo, int64_t n, float mu,
                float rs, int64_t ahead) {
   ForRow(n, [&](auto tag, int64_t j) {
     if (ahead) PrefetchLine(tag, x + ahead + j);
@@ -41,8 +43,8 @@ void FwdOutput(const T* x, const float* w, const float* b, T* y, T* xo, int64_t 
 
 // `xhat_out` (optional) receives xhat = (x - mean) * rstd in T, for a backward
 // from the normalized input (layer_norm(save="normalized")).
-template <typename T>
-void LayerNormFwdRows(const T* x, const float* w, const float* b, T* y, T* xhat_out,
+template <typename T, typename Ty>
+void LayerNormFwdRows(const T* x, const float* w, const float* b, Ty* y, T* xhat_out,
                       float* mean_out, float* rstd_out, int64_t row_begin,
                       int64_t row_end, int64_t H, float eps, bool centered) {
   const float inv_h = 1.0f / static_cast<float>(H);
@@ -99,9 +101,9 @@ struct ColumnChunks {
 // over the chunk, in cache), merged per row in chunk order (Chan et al.):
 // the cancellation-free variance with one pass over memory. RMSNorm sums
 // x^2 instead. Phase 2: the output pass per (row, chunk).
-template <typename T>
+template <typename T, typename Ty>
 void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const float* w, const float* b,
-                         T* y, T* xhat_out, float* mean_out, float* rstd_out,
+                         Ty* y, T* xhat_out, float* mean_out, float* rstd_out,
                          int64_t row_begin, int64_t row_end, int64_t H, float eps,
                          bool centered) {
   const ColumnChunks cc(H);
@@ -158,10 +160,11 @@ void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const float* w, cons
 // costs nothing.
 // normalized: x already holds xhat (the forward saved it instead of x), there
 // is no mean, and rstd (null when dx is not computed) only scales dx.
-// xhat_out (optional) receives xhat in T (AscendC's res_for_gamma).
-template <typename T, bool kDx, bool kDw, bool kDb>
+// xhat_out (optional) receives xhat in T (AscendC's res_for_gamma). dy is
+// in Tdy: T, or float32 where the forward's y was.
+template <typename T, typename Tdy, bool kDx, bool kDw, bool kDb>
 struct LayerNormBwd {
-  const T* dy;
+  const Tdy* dy;
   const T* x;
   const float* mean;
   const float* rstd;
@@ -179,7 +182,7 @@ struct LayerNormBwd {
 
   // Sums of g and g * xhat over columns [c0, c0 + n) of row i.
   void Sums(int64_t i, int64_t c0, int64_t n, float* s_g, float* s_gx) const {
-    const T* dyr = dy + i * H + c0;
+    const Tdy* dyr = dy + i * H + c0;
     const T* xr = x + i * H + c0;
     const float* wr = w + c0;
     const float mu = Mu(i), xs = Xs(i);
@@ -207,7 +210,7 @@ struct LayerNormBwd {
   template <bool kOverwrite = false>
   void Fused(int64_t i, int64_t c0, int64_t n, float b, float k, float* dw, float* db,
              int64_t ahead) const {
-    const T* dyr = dy + i * H + c0;
+    const Tdy* dyr = dy + i * H + c0;
     const T* xr = x + i * H + c0;
     const float* wr = w + c0;
     T* dxr = kDx ? dx + i * H + c0 : nullptr;
@@ -321,8 +324,6 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const int64_t M = dims[0], H = dims[1], W = param_groups;
   if (W <= 0 || M % W != 0)
     return ffi::Error::InvalidArgument("param_groups: must be positive and divide the rows");
-  if (y->element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("y: dtype must match x");
   JNG_RETURN_IF_ERROR(CheckSize("y", y->element_count(), M * H));
   JNG_RETURN_IF_ERROR(CheckSize("weight", weight.element_count(), has_weight ? W * H : 0));
   JNG_RETURN_IF_ERROR(CheckSize("bias", bias.element_count(), has_bias ? W * H : 0));
@@ -340,23 +341,26 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   float* rstd_p = rstd->typed_data();
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-    T* yp = reinterpret_cast<T*>(y->untyped_data());
-    AdviseHugePages(yp, M * H * static_cast<int64_t>(sizeof(T)));
-    T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
-    if (UseColumnChunks(M / W, H)) {
-      for (int64_t grp = 0; grp < W; ++grp)
-        LayerNormFwdChunked(&pool, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
-                            rstd_p, grp * (M / W), (grp + 1) * (M / W), H, eps, centered);
+    return DispatchSameOrF32<T>(y->element_type(), x.element_type(), "y", [&](auto ytag) {
+      using Ty = decltype(ytag);
+      const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+      Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
+      AdviseHugePages(yp, M * H * static_cast<int64_t>(sizeof(Ty)));
+      T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
+      if (UseColumnChunks(M / W, H)) {
+        for (int64_t grp = 0; grp < W; ++grp)
+          LayerNormFwdChunked(&pool, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
+                              rstd_p, grp * (M / W), (grp + 1) * (M / W), H, eps, centered);
+        return ffi::Error::Success();
+      }
+      RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
+      ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
+        const int64_t grp = split.group(t);
+        LayerNormFwdRows(xp, w + grp * H, b + grp * H, yp, xhp, mean_p, rstd_p,
+                         split.begin(t), split.end(t), H, eps, centered);
+      });
       return ffi::Error::Success();
-    }
-    RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
-    ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
-      const int64_t grp = split.group(t);
-      LayerNormFwdRows(xp, w + grp * H, b + grp * H, yp, xhp, mean_p, rstd_p,
-                       split.begin(t), split.end(t), H, eps, centered);
     });
-    return ffi::Error::Success();
   });
 }
 
@@ -374,8 +378,6 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   const int64_t M = dims[0], H = dims[1], W = param_groups;
   if (W <= 0 || M % W != 0)
     return ffi::Error::InvalidArgument("param_groups: must be positive and divide the rows");
-  if (dy.element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("grad_out: dtype must match x");
   if (dx->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("grad_input: dtype must match x");
   JNG_RETURN_IF_ERROR(CheckSize("grad_out", dy.element_count(), M * H));
@@ -436,38 +438,42 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   }
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const T* dyp = reinterpret_cast<const T*>(dy.untyped_data());
-    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-    T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
-    AdviseHugePages(dxp, compute_dx ? M * H * static_cast<int64_t>(sizeof(T)) : 0);
-    T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
-    WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
-      using Op = LayerNormBwd<T, decltype(kdx)::value, decltype(kdw)::value, decltype(kdb)::value>;
-      auto op_of = [&](int64_t grp) {
-        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dxp, xhp, H, centered, normalized};
-      };
-      if (column_chunks) {
-        for (int64_t grp = 0; grp < W; ++grp)
-          ColumnChunkedBwd(&pool, op_of(grp), grp * rows_per_group, (grp + 1) * rows_per_group,
-                           compute_dx, dw_out ? dw_out + grp * H : nullptr,
-                           db_out ? db_out + grp * H : nullptr);
-        return;
-      }
-      ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
-        const int64_t grp = split.group(t);
-        float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
-        float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
-        op_of(grp).Rows(split.begin(t), split.end(t), dw, db);
+    return DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out", [&](auto dytag) {
+      using Tdy = decltype(dytag);
+      const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
+      const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+      T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
+      AdviseHugePages(dxp, compute_dx ? M * H * static_cast<int64_t>(sizeof(T)) : 0);
+      T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
+      WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
+        using Op = LayerNormBwd<T, Tdy, decltype(kdx)::value, decltype(kdw)::value,
+                                decltype(kdb)::value>;
+        auto op_of = [&](int64_t grp) {
+          return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dxp, xhp, H, centered, normalized};
+        };
+        if (column_chunks) {
+          for (int64_t grp = 0; grp < W; ++grp)
+            ColumnChunkedBwd(&pool, op_of(grp), grp * rows_per_group, (grp + 1) * rows_per_group,
+                             compute_dx, dw_out ? dw_out + grp * H : nullptr,
+                             db_out ? db_out + grp * H : nullptr);
+          return;
+        }
+        ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
+          const int64_t grp = split.group(t);
+          float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
+          float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
+          op_of(grp).Rows(split.begin(t), split.end(t), dw, db);
+        });
       });
-    });
-    if (use_partials) {
-      for (int64_t grp = 0; grp < W; ++grp) {
-        const int64_t off = grp * per_group * H;
-        if (dw_out) SumPartials(&pool, dw_part.data() + off, dw_out + grp * H, per_group, H);
-        if (db_out) SumPartials(&pool, db_part.data() + off, db_out + grp * H, per_group, H);
+      if (use_partials) {
+        for (int64_t grp = 0; grp < W; ++grp) {
+          const int64_t off = grp * per_group * H;
+          if (dw_out) SumPartials(&pool, dw_part.data() + off, dw_out + grp * H, per_group, H);
+          if (db_out) SumPartials(&pool, db_part.data() + off, db_out + grp * H, per_group, H);
+        }
       }
-    }
-    return ffi::Error::Success();
+      return ffi::Error::Success();
+    });
   });
 }
 

@@ -110,7 +110,7 @@ def warn_fallback(layer: str, reason: str, original: str) -> None:
 
 
 def _kernel_input(x, out_dtype):
-  """x as the kernels should read it so that y is rounded once, to ``out_dtype``.
+  """x as the GroupNorm kernel should read it so that y is rounded once, to ``out_dtype``.
 
   The kernels compute in float32 and round y once to x's dtype. Where the
   output dtype differs from x's (a bfloat16 x with float32 parameters gives a
@@ -118,6 +118,18 @@ def _kernel_input(x, out_dtype):
   rounded to x's dtype on the way.
   """
   return x if x.dtype == out_dtype else x.astype(F32)
+
+
+def _row_kernel_io(x, out_dtype):
+  """``(x, out_dtype)`` for ``layer_norm`` / ``rms_norm`` so that y is rounded once, to ``out_dtype``.
+
+  Their kernels write y in x's dtype or in float32 (a 16-bit x with float32
+  parameters: flax's default promotion), reading x as it is. For any other
+  result dtype x is widened to float32 (exactly) and the float32 y is cast.
+  """
+  if out_dtype in (x.dtype, F32):
+    return x, out_dtype
+  return x.astype(F32), None
 
 
 def _param(p, shape):
@@ -150,15 +162,17 @@ def norm(x, weight, bias, *, begin: int, eps: float, centered: bool, out_dtype, 
   """
   norm_shape = x.shape[begin:]
   w, b = _param(weight, norm_shape), _param(bias, norm_shape)
-  xk = _kernel_input(x, out_dtype)
+  xk, kernel_out = _row_kernel_io(x, out_dtype)
   if centered:
-    y = jn.layer_norm(xk, w, b, normalized_shape=norm_shape, eps=eps,
+    y = jn.layer_norm(xk, w, b, normalized_shape=norm_shape, eps=eps, out_dtype=kernel_out,
                       implementation=implementation)
   elif b is None:
-    y = jn.rms_norm(xk, w, normalized_shape=norm_shape, eps=eps, implementation=implementation)
+    y = jn.rms_norm(xk, w, normalized_shape=norm_shape, eps=eps, out_dtype=kernel_out,
+                    implementation=implementation)
   else:
-    # rms_norm has no bias: add it in float32 so y is still rounded once.
-    y = jn.rms_norm(xk.astype(F32), w, normalized_shape=norm_shape, eps=eps,
+    # rms_norm has no bias: a float32 y plus the bias in float32, so y is
+    # still rounded once.
+    y = jn.rms_norm(xk, w, normalized_shape=norm_shape, eps=eps, out_dtype=F32,
                     implementation=implementation) + b
   return y.astype(out_dtype)
 

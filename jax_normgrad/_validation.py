@@ -72,6 +72,27 @@ def check_param_dtype(name: str, param: jax.Array, x: jax.Array) -> None:
     raise TypeError(f"{name}: expected dtype {x.dtype} (x's dtype) or float32, got {param.dtype}")
 
 
+def check_out_dtype(out_dtype: Any, x: jax.Array) -> Any:
+  """A layer's result dtype: None or x's dtype (returned as None), or float32.
+
+  float32 with a 16-bit x is the mixed precision of a float32 model with
+  16-bit activations: y in float32, rounded once, and x never copied to
+  float32. Other combinations would round twice or need another kernel.
+  """
+  if out_dtype is None:
+    return None
+  try:
+    dt = jnp.dtype(out_dtype)
+  except TypeError:
+    raise TypeError(f"out_dtype: expected None, {x.dtype} (x's dtype) or float32, "
+                    f"got {out_dtype!r}") from None
+  if dt == x.dtype:
+    return None
+  if dt != F32:
+    raise TypeError(f"out_dtype: expected None, {x.dtype} (x's dtype) or float32, got {dt}")
+  return dt
+
+
 def check_params_share_dtype(weight_name: str, weight, bias_name: str, bias) -> None:
   if weight is not None and bias is not None and weight.dtype != bias.dtype:
     raise TypeError(

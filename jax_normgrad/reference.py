@@ -29,8 +29,12 @@ def _grouped(a, groups):
 # LayerNorm (centered=True) and RMSNorm (centered=False)
 
 
-def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, write_xhat=False):
-  """Returns ``[y, mean, rstd]`` (``[y, rstd]`` when not centered), then ``xhat`` if ``write_xhat``."""
+def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, write_xhat=False,
+                   y_dtype=None):
+  """Returns ``[y, mean, rstd]`` (``[y, rstd]`` when not centered), then ``xhat`` if ``write_xhat``.
+
+  y is rounded once to ``y_dtype`` (None: x's dtype); xhat is in x's dtype.
+  """
   m, h = x.shape
   x32 = x.astype(F32)
   if centered:
@@ -46,7 +50,7 @@ def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, wr
     y = y * weight[:, None, :]
   if bias is not None:
     y = y + bias[:, None, :]
-  y = y.reshape(m, h).astype(x.dtype)
+  y = y.reshape(m, h).astype(y_dtype or x.dtype)
   outs = [y, mean, rstd] if centered else [y, rstd]
   return outs + [xhat.astype(x.dtype)] if write_xhat else outs
 
@@ -68,7 +72,8 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (no ``mean(g)`` when
   not centered), ``dweight = sum_rows dy * xhat``, ``dbias = sum_rows dy``.
   ``normalized``: ``x`` is ``xhat`` already (no ``mean`` operand) and ``rstd``
-  only scales ``dx`` (it is empty when ``dx`` is masked out).
+  only scales ``dx`` (it is empty when ``dx`` is masked out). ``dy`` is in x's
+  dtype or float32; dx and xhat are in x's dtype.
   """
   mean, rstd, weight = split_ln_bwd_operands(rest, centered, has_weight, normalized)
   m, h = x.shape

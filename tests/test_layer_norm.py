@@ -38,6 +38,8 @@ class LayerNormOpTests:
   long_row = LONG_ROW
   #: Enough rows for many tasks and per-task dweight partials.
   deterministic_shape = (4099, 257)
+  #: Shapes of the float32-result layer test (16-bit x, float32 parameters).
+  mixed_shapes = [((33, 130), (130,)), ((3, 5, 2, 35), (2, 35))]
 
   def test_forward(self, rng, dtype, shape, norm_shape):
     x, _, w, b = _inputs(rng, shape, norm_shape, dtype)
@@ -118,6 +120,48 @@ class LayerNormOpTests:
     assert_close(dw, refs[1], jnp.float32, 33)
     assert_close(db, refs[2], jnp.float32, 33)
 
+  @pytest.mark.parametrize("centered", [True, False])
+  def test_layer_float32_result_of_half_x(self, rng, half_dtype, centered):
+    """out_dtype=float32: y rounded once to float32, dx in x's dtype, float32 parameter grads.
+
+    What Flax computes for a 16-bit x with float32 parameters; the CPU
+    kernels read x as it is (no float32 copy in the lowered program).
+    """
+    for shape, norm_shape in self.mixed_shapes:
+      x, _, w, b = _inputs(rng, shape, norm_shape, half_dtype, weight_dtype=jnp.float32,
+                           with_bias=centered)
+      dy = random(rng, shape, jnp.float32)  # y's cotangent is float32 like y
+      nd = len(norm_shape)
+      impl = self.implementation
+      if centered:
+        layer = lambda x, w, b: jn.layer_norm(x, w, b, normalized_shape=norm_shape,
+                                              out_dtype=jnp.float32, implementation=impl)
+        args = (x, w, b)
+        y_ref, mean, rstd = ref.ln_fwd(x, nd, w, b)
+        refs = ref.ln_bwd(dy, x, nd, mean, rstd, w)
+      else:
+        layer = lambda x, w: jn.rms_norm(x, w, normalized_shape=norm_shape, eps=1e-5,
+                                         out_dtype=jnp.float32, implementation=impl)
+        args = (x, w)
+        y_ref, rstd = ref.rms_fwd(x, nd, w, 1e-5)
+        refs = ref.rms_bwd(dy, x, nd, rstd, w)
+      f = jax.jit(lambda *a: jax.vjp(layer, *a)[1](dy))
+      y = jax.jit(layer)(*args)
+      grads = f(*args)
+      h, rows = math.prod(norm_shape), math.prod(shape[:len(shape) - nd])
+      assert y.dtype == jnp.float32 and grads[0].dtype == half_dtype
+      assert_close(y, y_ref, jnp.float32, h, "y", scale=ref.fwd_scales(x, rstd, w)[0])
+      assert_close(grads[0], refs[0], half_dtype, h, "grad x", scale=ref.dx_scale(dy, rstd, w))
+      for g, r, name in zip(grads[1:], refs[1:], ("grad weight", "grad bias")):
+        assert g.dtype == jnp.float32
+        assert_close(g, r, jnp.float32, rows, name)
+      if impl is None:
+        text = jax.jit(lambda *a: jax.vjp(layer, *a)[1](dy)).lower(*args).as_text()
+        assert "jax_normgrad_layer_norm_fwd" in text and "jax_normgrad_layer_norm_bwd" in text
+        # No float32 copy of x: the kernels read the 16-bit x directly.
+        dims = "x".join(map(str, (rows, h)))
+        assert f"{dims}x{jnp.dtype(half_dtype).name}>) -> tensor<{dims}xf32>" not in text
+
   def test_bias_only_sets_param_grad_dtype(self, rng):
     x, dy, _, b = _inputs(rng, (5, 24), (24,), jnp.bfloat16, weight_dtype=jnp.float32)
     mean, rstd = ref.ln_stats(x, 1, 1e-5)
@@ -166,6 +210,8 @@ class LayerNormOpTests:
 
 class TestLayerNormDefault(LayerNormOpTests):
   implementation = None
+  # Also long rows, which the CPU kernels split into column chunks.
+  mixed_shapes = LayerNormOpTests.mixed_shapes + [((2, 40_000), (40_000,))]
 
   # Rows of at least 2 * 16,384 that the CPU kernels split into column chunks
   # (ColumnChunkedBwd, LayerNormFwdChunked): fewer than 4 rows per parameter

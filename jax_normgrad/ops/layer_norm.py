@@ -45,10 +45,11 @@ def _rows_and_width(x, norm_ndim):
 
 
 def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scale_offset=0.0,
-         write_xhat=False):
+         write_xhat=False, y_dtype=None):
   """Canonical forward (LayerNorm, or RMSNorm when not ``centered``).
 
-  Returns ``(y, mean, rstd, xhat)``: y with x's shape and dtype; float32
+  Returns ``(y, mean, rstd, xhat)``: y with x's shape, in ``y_dtype`` (None:
+  x's dtype; else float32, see ``v.check_out_dtype``); float32
   mean (None when not centered) and rstd of shape ``A``, x's leading dims;
   xhat with x's shape and dtype when ``write_xhat``, else None. The leading
   dims are merged into rows on each device (see ``_sharding.bind``), so a
@@ -63,7 +64,7 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
       layer_norm_fwd_p, x.reshape(lead_shape + (h,)),
       *present(as_f32_weight(weight, (1, h), scale_offset), as_f32(bias, (1, h))),
       lead=len(lead_shape), eps=eps, centered=centered, has_weight=weight is not None, has_bias=bias is not None,
-      param_groups=1, write_xhat=write_xhat, implementation=implementation))
+      param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype, implementation=implementation))
   y = outs.pop(0).reshape(x.shape)
   mean = outs.pop(0).reshape(x.shape[:lead]) if centered else None
   rstd = outs.pop(0).reshape(x.shape[:lead])
@@ -78,6 +79,7 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   ``mean``/``rstd``: any shape with M elements (``mean`` ignored when not
   centered or ``normalized``). ``normalized``: ``x`` is xhat and ``rstd`` only
   scales grad_input (it may be None when ``output_mask[0]`` is False).
+  ``dy`` is in x's dtype or float32 (the cotangent of a float32 y).
   Returns the masked ``(dx, dweight, dbias)``, dx with x's shape and dtype,
   the parameter gradients float32 with the normalized shape; then xhat (x's
   shape and dtype) when ``write_xhat``. As in ``_fwd``, x's leading dims
@@ -227,21 +229,23 @@ class _LayerConfig(NamedTuple):
   scale_offset: float
   save: str  # "input": x, mean, rstd; "normalized": xhat, rstd.
   implementation: str | None
+  out_dtype: jnp.dtype | None = None  # None: x's dtype; else float32.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _norm_layer(x, weight, bias, cfg):
   return _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation, centered=cfg.centered,
-              scale_offset=cfg.scale_offset)[0]
+              scale_offset=cfg.scale_offset, y_dtype=cfg.out_dtype)[0]
 
 
 def _norm_layer_fwd(x, weight, bias, cfg):
   normalized = cfg.save == "normalized"
-  # Without weight and bias y is xhat, bit for bit: save it instead of a copy.
-  write_xhat = normalized and (weight is not None or bias is not None)
+  # Without weight and bias y is xhat, bit for bit (in x's dtype): save it
+  # instead of a copy.
+  write_xhat = normalized and (weight is not None or bias is not None or cfg.out_dtype is not None)
   y, mean, rstd, xhat = _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation,
                              centered=cfg.centered, scale_offset=cfg.scale_offset,
-                             write_xhat=write_xhat)
+                             write_xhat=write_xhat, y_dtype=cfg.out_dtype)
   # Residuals: x or xhat in x's dtype, float32 (M,) statistics and the small
   # parameters; no float32 copy of anything tensor-sized.
   if normalized:
@@ -266,7 +270,7 @@ _norm_layer.defvjp(_norm_layer_fwd, _norm_layer_bwd)
 
 
 def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, scale_offset=0.0,
-               save="input", implementation=None):
+               save="input", out_dtype=None, implementation=None):
   """Differentiable LayerNorm whose backward runs the backward kernel.
 
   ``y = (x - mean) * rstd * (weight + scale_offset) + bias`` over the
@@ -292,10 +296,14 @@ def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, sc
       x need not be kept alive, e.g. when the next layer saves y anyway; with
       no weight and bias xhat is y itself and costs nothing. The backward then
       works from the rounded xhat, so 16-bit gradients are a little less exact.
+    out_dtype: y's dtype: None (x's dtype) or float32. float32 with a 16-bit x
+      and float32 parameters is what Flax and PyTorch autocast give: y rounded
+      once to float32, its cotangent read as float32 by the backward kernel,
+      the gradient of x in x's dtype; x is never copied to float32 on CPU.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
-    ``y`` with x's shape and dtype.
+    ``y`` with x's shape, in ``out_dtype`` (None: x's dtype).
 
   Raises:
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
@@ -303,5 +311,5 @@ def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, sc
   x, norm_shape, weight, bias = _check_forward_args(x, normalized_shape, weight, bias)
   cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), True,
                      v.check_scale_offset(scale_offset, weight), v.check_save(save),
-                     v.check_implementation(implementation))
+                     v.check_implementation(implementation), v.check_out_dtype(out_dtype, x))
   return _norm_layer(x, weight, bias, cfg)

@@ -98,7 +98,7 @@ def rms_norm_backward(grad_out, x, normalized_shape, rstd, weight=None, output_m
 
 
 def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.0,
-             implementation=None):
+             out_dtype=None, implementation=None):
   """Differentiable RMSNorm whose backward runs the backward kernel.
 
   ``y = x * rstd * (weight + scale_offset)``, ``rstd = 1 / sqrt(mean(x^2) +
@@ -118,10 +118,12 @@ def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.
     scale_offset: static float added to ``weight`` (``1.0`` for Gemma-style
       zero-centered weights); must be 0 without a weight. The gradient of
       ``weight`` is ``sum dy * xhat`` whatever the offset.
+    out_dtype: y's dtype: None (x's dtype) or float32 (a 16-bit x with
+      float32 parameters, y rounded once; see :func:`jax_normgrad.layer_norm`).
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
-    ``y`` with x's shape and dtype.
+    ``y`` with x's shape, in ``out_dtype`` (None: x's dtype).
 
   Raises:
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
@@ -129,5 +131,5 @@ def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.
   x, norm_shape, weight, _ = _check_forward_args(x, normalized_shape, weight, None)
   cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), False,
                      v.check_scale_offset(scale_offset, weight), "input",
-                     v.check_implementation(implementation))
+                     v.check_implementation(implementation), v.check_out_dtype(out_dtype, x))
   return _norm_layer(x, weight, None, cfg)

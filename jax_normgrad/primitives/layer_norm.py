@@ -1,9 +1,12 @@
 """LayerNorm and RMSNorm primitives: forward with statistics and backward.
 
 Canonical operands (see ``jax_normgrad.reference``): ``x``, ``dy`` of shape
-``(M, H)``; ``mean``, ``rstd`` of shape ``(M,)`` float32; ``weight``, ``bias``
+``(M, H)``, dy in x's dtype or float32; ``mean``, ``rstd`` of shape ``(M,)`` float32; ``weight``, ``bias``
 of shape ``(W, H)`` float32, ``W = param_groups``. ``centered=False`` is
 RMSNorm (no mean: no ``mean`` operand or output, no ``mean(g)`` term).
+The forward's ``y_dtype`` (None: x's dtype, or float32) is y's dtype: a 16-bit
+x with float32 parameters gives a float32 y, read and computed without a
+float32 copy of x; its backward then takes a float32 ``dy``.
 
 Two flags serve the vendor forms of the backward on the same kernels:
 ``write_xhat`` adds ``xhat = (x - mean) * rstd`` (in x's dtype) as a last
@@ -29,11 +32,11 @@ F32 = jnp.float32
 
 
 def _fwd_abstract(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
-                  implementation):
+                  y_dtype, implementation):
   del params, eps, has_weight, has_bias, param_groups, implementation
   m = x.shape[0]
   stats = [shaped((m,), F32)] * (2 if centered else 1)
-  return [shaped(x.shape, x.dtype)] + stats + ([shaped(x.shape, x.dtype)] if write_xhat else [])
+  return [shaped(x.shape, y_dtype or x.dtype)] + stats + ([shaped(x.shape, x.dtype)] if write_xhat else [])
 
 
 def _split_params(params, has_weight, has_bias):
@@ -43,16 +46,17 @@ def _split_params(params, has_weight, has_bias):
   return weight, bias
 
 
-def _fwd_xla(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat):
+def _fwd_xla(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat, y_dtype):
   weight, bias = _split_params(params, has_weight, has_bias)
   return reference.layer_norm_fwd(x, weight, bias, eps=eps, centered=centered,
-                                  param_groups=param_groups, write_xhat=write_xhat)
+                                  param_groups=param_groups, write_xhat=write_xhat,
+                                  y_dtype=y_dtype)
 
 
-def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat):
+def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat, y_dtype):
   weight, bias = _split_params(params, has_weight, has_bias)
   m = x.shape[0]
-  out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype),
+  out_types = [jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype),
                jax.ShapeDtypeStruct((m if centered else 0,), F32),
                jax.ShapeDtypeStruct((m,), F32),
                jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype)]
