@@ -97,6 +97,13 @@ BAD_FFI_CALLS = [
       np.ones(4, np.float32), None),
      dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
           compute_dbias=True, centered=True, normalized=False, write_xhat=False), "grad_out"),
+    # y neither x's dtype nor float32.
+    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.float16), _sds((4,)), _sds((4,)),
+                                     _sds((0,), jnp.bfloat16)],
+     (np.ones((4, 8), jnp.bfloat16), None, None),
+     dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True,
+          write_xhat=False),
+     "y: dtype must be x's or float32"),
     # param_groups that does not divide the rows.
     ("jax_normgrad_layer_norm_fwd", [_sds((4, 8)), _sds((4,)), _sds((4,)), _sds((0,))],
      (np.ones((4, 8), np.float32), None, None),

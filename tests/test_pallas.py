@@ -100,15 +100,18 @@ def test_vmap_with_batched_parameters_lowers_to_pallas(platform):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-def test_rms_norm_primitives_lower_to_pallas(platform):
+@pytest.mark.parametrize("y_dtype", [None, F32])
+def test_rms_norm_primitives_lower_to_pallas(platform, y_dtype):
+  # y_dtype=float32: a bfloat16 x with a float32 y, and its float32 dy.
   def f(x, w, dy):
     y, rstd = layer_norm_fwd_p.bind(x, w, eps=1e-6, centered=False, has_weight=True,
                                     has_bias=False, param_groups=1, write_xhat=False,
-                                    implementation=None)
+                                    y_dtype=y_dtype, implementation=None)
     return layer_norm_bwd_p.bind(dy, x, rstd, w, centered=False, has_weight=True,
                                  output_mask=(True, True, False), param_groups=1,
                                  normalized=False, write_xhat=False, implementation=None) + [y]
-  args = (_sds((64, 4096), jnp.bfloat16), _sds((1, 4096), F32), _sds((64, 4096), jnp.bfloat16))
+  args = (_sds((64, 4096), jnp.bfloat16), _sds((1, 4096), F32),
+          _sds((64, 4096), y_dtype or jnp.bfloat16))
   _assert_pallas(_export_text(f, args, platform), platform)
 
 
@@ -155,7 +158,7 @@ def test_layer_norm_primitives_interpreted(rng, dtype, mask, has_weight, backend
   kw = dict(centered=centered, param_groups=w)
   with _kernels(backend, tiny):
     y, *stats = jax.jit(lambda x, *p: layer_norm_fwd_p.bind(
-        x, *p, eps=1e-5, has_weight=has_weight, has_bias=True, write_xhat=False,
+        x, *p, eps=1e-5, has_weight=has_weight, has_bias=True, write_xhat=False, y_dtype=None,
         implementation="pallas", **kw))(
             x, *present(weight, bias))
     outs = jax.jit(lambda dy, x, *r: layer_norm_bwd_p.bind(
