@@ -1,7 +1,8 @@
 // GroupNorm forward-with-statistics and backward as XLA FFI handlers (CPU).
 //
 // x is (N, C, HW) (channels_last=false) or (N, HW, C) (channels_last=true),
-// both read in place, never transposed. Statistics are (N, G) float32; gamma
+// both read in place, never transposed; y (forward) and dy (backward) are in
+// x's dtype or float32 (a 16-bit x with a float32 result). Statistics are (N, G) float32; gamma
 // and beta arrive as float32 (W, C): the samples form W equal contiguous
 // parameter groups (W > 1 only under vmap with per-example parameters).
 // Each (n, g) block has D = C/G * HW elements.
@@ -132,9 +133,9 @@ void BwdCoefficients(const GnShape& s, const float* rstd, const float* gamma, co
   }
 }
 
-template <typename T>
+template <typename T, typename Ty>
 void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
-                      const float* b, float eps, T* y, float* mean, float* rstd) {
+                      const float* b, float eps, Ty* y, float* mean, float* rstd) {
   const int64_t D = s.D(), blocks = s.N * s.G;
   const float inv_d = 1.0f / static_cast<float>(D);
   const int64_t tasks = NumTasks(blocks, CeilDiv(kMinElementsPerTask, D), kMaxTasks);
@@ -161,7 +162,7 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
         const int64_t c = g * s.Cg + ci;
         const float a = rs * (wn ? wn[c] : 1.f), bb = bn ? bn[c] : 0.f;
         const T* xc = xb + ci * s.HW;
-        T* yc = y + off + ci * s.HW;
+        Ty* yc = y + off + ci * s.HW;
         ForRow(s.HW, [&](auto tag, int64_t j) { St(tag, yc + j, (Ld(tag, xc + j) - mu) * a + bb); });
       }
     }
@@ -317,9 +318,9 @@ void GroupMoments(const GnShape& s, const Moments& m, int64_t n, float eps, floa
   }
 }
 
-template <typename T>
+template <typename T, typename Ty>
 void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
-                      const float* b, float eps, T* y, float* mean, float* rstd) {
+                      const float* b, float eps, Ty* y, float* mean, float* rstd) {
   const size_t nc = static_cast<size_t>(s.N * s.C);
   // Per-(n, c): mean[c], a[c] = rstd * weight[c], b[c].
   std::vector<float> mu_c(nc), a_c(nc), b_c(nc, 0.f);
@@ -355,7 +356,7 @@ void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
       const float* bb = b_c.data() + n * s.C;
       for (int64_t hw = hb; hw < he; ++hw) {
         const T* xr = x + (n * s.HW + hw) * s.C;
-        T* yr = y + (n * s.HW + hw) * s.C;
+        Ty* yr = y + (n * s.HW + hw) * s.C;
         ForRow(s.C, [&](auto tag, int64_t c) {
           St(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c));
         });
@@ -367,8 +368,8 @@ void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
 // Fills db[n*C + c] = sum_hw dy and ds[n*C + c] = sum_hw dy * (x - mean[n, g]),
 // and, when dx != nullptr, writes dx. NCHW: one task owns whole (n, g) blocks,
 // so a block's second pass finds x and dy in cache.
-template <typename T>
-void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* dy, const T* x,
+template <typename T, typename Tdy>
+void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, const T* x,
                       const float* mean, const float* rstd, const float* gamma, T* dx,
                       float* db, float* ds) {
   const int64_t D = s.D(), blocks = s.N * s.G;
@@ -381,7 +382,7 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* dy, cons
       const float* gn = s.ParamRow(gamma, n);
       float sum_g = 0.f, sum_gdx = 0.f;
       for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
-        const T* dyc = dy + (n * s.C + c) * s.HW;
+        const Tdy* dyc = dy + (n * s.C + c) * s.HW;
         const T* xc = x + (n * s.C + c) * s.HW;
         Acc sd, sdx;
         ForRow(s.HW, [&](auto tag, int64_t j) {
@@ -400,7 +401,7 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* dy, cons
       const float b = rs * sum_g * inv_d;
       const float k = rs * rs * (sum_gdx * rs * inv_d);
       for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
-        const T* dyc = dy + (n * s.C + c) * s.HW;
+        const Tdy* dyc = dy + (n * s.C + c) * s.HW;
         const T* xc = x + (n * s.C + c) * s.HW;
         T* dxc = dx + (n * s.C + c) * s.HW;
         const float a = rs * (gn ? gn[c] : 1.f);
@@ -412,8 +413,8 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* dy, cons
   });
 }
 
-template <typename T>
-void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* dy, const T* x,
+template <typename T, typename Tdy>
+void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, const T* x,
                       const float* mean, const float* rstd, const float* gamma, T* dx,
                       float* db, float* ds) {
   const size_t nc = static_cast<size_t>(s.N * s.C);
@@ -424,7 +425,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* dy, cons
   const int64_t P = ChunksPerSample(s);
   ForEachSampleBatch(s, 2 * s.HW * s.C * static_cast<int64_t>(sizeof(T)), [&](int64_t n0, int64_t n1) {
     ColumnSums(pool, s, n0, n1, 2 * s.C, [&](int64_t n, int64_t hw, float* acc) {
-      const T* dyr = dy + (n * s.HW + hw) * s.C;
+      const Tdy* dyr = dy + (n * s.HW + hw) * s.C;
       const T* xr = x + (n * s.HW + hw) * s.C;
       const float* mu = mu_c.data() + n * s.C;
       float* adb = acc;
@@ -453,7 +454,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* dy, cons
       const float* b = a + s.C;
       const float* k = b + s.C;
       for (int64_t hw = hb; hw < he; ++hw) {
-        const T* dyr = dy + (n * s.HW + hw) * s.C;
+        const Tdy* dyr = dy + (n * s.HW + hw) * s.C;
         const T* xr = x + (n * s.HW + hw) * s.C;
         T* dxr = dx + (n * s.HW + hw) * s.C;
         ForRow(s.C, [&](auto tag, int64_t c) {
@@ -494,8 +495,6 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                             bool has_bias) {
   GnShape s;
   JNG_RETURN_IF_ERROR(ParseShape(x, channels_last, group, param_groups, &s));
-  if (y->element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("y: dtype must match x");
   JNG_RETURN_IF_ERROR(CheckSize("y", y->element_count(), s.N * s.C * s.HW));
   JNG_RETURN_IF_ERROR(CheckSize("weight", weight.element_count(), has_weight ? s.W * s.C : 0));
   JNG_RETURN_IF_ERROR(CheckSize("bias", bias.element_count(), has_bias ? s.W * s.C : 0));
@@ -507,14 +506,17 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const float* b = has_bias ? bias.typed_data() : nullptr;
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-    T* yp = reinterpret_cast<T*>(y->untyped_data());
-    AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(T)));
-    if (channels_last)
-      GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data());
-    else
-      GroupNormFwdNCHW(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data());
-    return ffi::Error::Success();
+    return DispatchSameOrF32<T>(y->element_type(), x.element_type(), "y", [&](auto ytag) {
+      using Ty = decltype(ytag);
+      const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+      Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
+      AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
+      if (channels_last)
+        GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data());
+      else
+        GroupNormFwdNCHW(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data());
+      return ffi::Error::Success();
+    });
   });
 }
 
@@ -527,8 +529,6 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
                             bool compute_dx, bool compute_dgamma, bool compute_dbeta) {
   GnShape s;
   JNG_RETURN_IF_ERROR(ParseShape(x, channels_last, group, param_groups, &s));
-  if (dy.element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("grad_out: dtype must match x");
   if (dx->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("grad_input: dtype must match x");
   const int64_t size = s.N * s.C * s.HW;
@@ -552,14 +552,20 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   const float* rp = rstd.typed_data();
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const T* dyp = reinterpret_cast<const T*>(dy.untyped_data());
-    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-    T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
-    AdviseHugePages(dxp, compute_dx ? size * static_cast<int64_t>(sizeof(T)) : 0);
-    if (channels_last)
-      GroupNormBwdNHWC(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data());
-    else
-      GroupNormBwdNCHW(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data());
+    ffi::Error dy_error = DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out",
+                                               [&](auto dytag) {
+      using Tdy = decltype(dytag);
+      const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
+      const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+      T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
+      AdviseHugePages(dxp, compute_dx ? size * static_cast<int64_t>(sizeof(T)) : 0);
+      if (channels_last)
+        GroupNormBwdNHWC(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data());
+      else
+        GroupNormBwdNCHW(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data());
+      return ffi::Error::Success();
+    });
+    if (dy_error.failure()) return dy_error;
     // Parameter gradients: sums over the samples of each parameter group, in
     // ascending n.
     const int64_t per_group = s.N / s.W;

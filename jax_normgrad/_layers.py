@@ -109,23 +109,13 @@ def warn_fallback(layer: str, reason: str, original: str) -> None:
       "pure-JAX computation instead (the original's numbers, XLA's autodiff).")
 
 
-def _kernel_input(x, out_dtype):
-  """x as the GroupNorm kernel should read it so that y is rounded once, to ``out_dtype``.
+def _kernel_io(x, out_dtype):
+  """``(x, out_dtype)`` for the layers' kernels so that y is rounded once, to ``out_dtype``.
 
-  The kernels compute in float32 and round y once to x's dtype. Where the
-  output dtype differs from x's (a bfloat16 x with float32 parameters gives a
-  float32 y in flax), x is widened to float32 first (exactly), so y is not
-  rounded to x's dtype on the way.
-  """
-  return x if x.dtype == out_dtype else x.astype(F32)
-
-
-def _row_kernel_io(x, out_dtype):
-  """``(x, out_dtype)`` for ``layer_norm`` / ``rms_norm`` so that y is rounded once, to ``out_dtype``.
-
-  Their kernels write y in x's dtype or in float32 (a 16-bit x with float32
-  parameters: flax's default promotion), reading x as it is. For any other
-  result dtype x is widened to float32 (exactly) and the float32 y is cast.
+  The kernels compute in float32 and write y in x's dtype or in float32 (a
+  16-bit x with float32 parameters: flax's default promotion), reading x as
+  it is. For any other result dtype x is widened to float32 (exactly) and
+  the float32 y is cast.
   """
   if out_dtype in (x.dtype, F32):
     return x, out_dtype
@@ -162,7 +152,7 @@ def norm(x, weight, bias, *, begin: int, eps: float, centered: bool, out_dtype, 
   """
   norm_shape = x.shape[begin:]
   w, b = _param(weight, norm_shape), _param(bias, norm_shape)
-  xk, kernel_out = _row_kernel_io(x, out_dtype)
+  xk, kernel_out = _kernel_io(x, out_dtype)
   if centered:
     y = jn.layer_norm(xk, w, b, normalized_shape=norm_shape, eps=eps, out_dtype=kernel_out,
                       implementation=implementation)
@@ -203,8 +193,9 @@ def group_norm(x, num_groups: int, weight, bias, *, batch_ndim: int, channels_la
   c = x.shape[-1] if channels_last else x.shape[batch_ndim]
   hw = math.prod(x.shape[batch_ndim:]) // c
   shape = (n, hw, c) if channels_last else (n, c, hw)
-  y = jn.group_norm(_kernel_input(x, out_dtype).reshape(shape), num_groups, _param(weight, (c,)),
-                    _param(bias, (c,)), eps=eps, channel_axis=-1 if channels_last else 1,
+  xk, kernel_out = _kernel_io(x, out_dtype)
+  y = jn.group_norm(xk.reshape(shape), num_groups, _param(weight, (c,)), _param(bias, (c,)),
+                    eps=eps, channel_axis=-1 if channels_last else 1, out_dtype=kernel_out,
                     implementation=implementation)
   return y.reshape(x.shape).astype(out_dtype)
 

@@ -131,8 +131,9 @@ def _gn_param(p, n, group, channels_last):
   return p[:, None, :, :] if channels_last else p[:, :, :, None]
 
 
-def group_norm_fwd(x, weight=None, bias=None, *, eps, group, channels_last, param_groups):
-  """Returns ``[y, mean, rstd]`` with ``mean``/``rstd`` of shape ``(N, G)``."""
+def group_norm_fwd(x, weight=None, bias=None, *, eps, group, channels_last, param_groups,
+                   y_dtype=None):
+  """Returns ``[y, mean, rstd]`` with ``mean``/``rstd`` of shape ``(N, G)``; y in ``y_dtype`` (None: x's)."""
   del param_groups  # The (W, C) parameter shape carries it.
   n = x.shape[0]
   axes, bcast = _gn_axes(channels_last)
@@ -145,7 +146,7 @@ def group_norm_fwd(x, weight=None, bias=None, *, eps, group, channels_last, para
     y = y * _gn_param(weight, n, group, channels_last)
   if bias is not None:
     y = y + _gn_param(bias, n, group, channels_last)
-  return [y.reshape(x.shape).astype(x.dtype), mean, rstd]
+  return [y.reshape(x.shape).astype(y_dtype or x.dtype), mean, rstd]
 
 
 def group_norm_bwd(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,

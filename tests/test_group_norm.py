@@ -91,6 +91,34 @@ class GroupNormOpTests:
     assert_close(dg, refs[1], jnp.float32, 80)
     assert_close(db, refs[2], jnp.float32, 80)
 
+  def test_layer_float32_result_of_half_x(self, rng, half_dtype, channels_last):
+    """out_dtype=float32: y rounded once to float32, dx in x's dtype, float32 parameter grads."""
+    n, c, spatial, group = 3, 12, (5, 7), 4
+    hw = 35
+    shape = (n,) + spatial + (c,) if channels_last else (n, c) + spatial
+    x, _, w, b = _inputs(rng, shape, c, half_dtype, param_dtype=jnp.float32)
+    dy = random(rng, shape, jnp.float32)
+    impl = self.implementation
+    axis = -1 if channels_last else 1
+    layer = lambda x, w, b: jn.group_norm(x, group, w, b, channel_axis=axis,
+                                          out_dtype=jnp.float32, implementation=impl)
+    y = jax.jit(layer)(x, w, b)
+    grads = jax.jit(lambda *a: jax.vjp(layer, *a)[1](dy))(x, w, b)
+    y_ref, mean, rstd = ref.gn_fwd(x, w, b, n, c, hw, group, 1e-5, channels_last)
+    refs = ref.gn_bwd(dy, x, mean, rstd, w, n, c, hw, group, channels_last)
+    assert y.dtype == jnp.float32 and grads[0].dtype == half_dtype
+    assert_close(y, y_ref, jnp.float32, c // group * hw, "y",
+                 scale=ref.fwd_scales(x, rstd, w)[0])
+    assert_close(grads[0], refs[0], half_dtype, c // group * hw, "grad x",
+                 scale=ref.dx_scale(dy, rstd, w))
+    for g, r, name in zip(grads[1:], refs[1:], ("grad weight", "grad bias")):
+      assert g.dtype == jnp.float32
+      assert_close(g, r, jnp.float32, n * hw, name)
+    if impl is None:
+      text = jax.jit(lambda *a: jax.vjp(layer, *a)[1](dy)).lower(x, w, b).as_text()
+      assert "jax_normgrad_group_norm_fwd" in text and "jax_normgrad_group_norm_bwd" in text
+      assert f"{jnp.dtype(half_dtype).name}>) -> tensor<{'x'.join(map(str, shape))}xf32>" not in text
+
   def test_large_group_size(self, rng):
     # C/group far above the vendor's 8000 limit.
     n, c, hw, group = 2, 9000, 3, 1

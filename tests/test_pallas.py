@@ -88,6 +88,18 @@ def test_group_norm_grad_lowers_to_pallas(platform, dtype, channel_axis):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+def test_float32_result_of_bfloat16_x_lowers_to_pallas(platform):
+  # out_dtype=float32 (Flax's promotion of a bfloat16 x with float32 parameters).
+  bf = jnp.bfloat16
+  ln = _grad_of(lambda x, w, b: jn.layer_norm(x, w, b, out_dtype=F32))
+  _assert_pallas(_export_text(ln, (_sds((16, 1000), bf), _sds((1000,), F32), _sds((1000,), F32)),
+                              platform), platform)
+  gn = _grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1, out_dtype=F32))
+  _assert_pallas(_export_text(gn, (_sds((2, 9, 9, 24), bf), _sds((24,), F32), _sds((24,), F32)),
+                              platform), platform)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_vmap_with_batched_parameters_lowers_to_pallas(platform):
   # A batched weight makes param_groups = 3 inside the kernels.
   ln = jax.vmap(_grad_of(jn.layer_norm))
@@ -206,7 +218,8 @@ def test_group_norm_primitives_interpreted(rng, dtype, mask, n, c, hw, group, ch
   kw = dict(group=group, channels_last=channels_last, param_groups=w)
   with _kernels(backend, tiny):
     y, mean, rstd = jax.jit(lambda x, g, b: group_norm_fwd_p.bind(
-        x, g, b, eps=1e-5, has_weight=True, has_bias=True, implementation="pallas", **kw))(
+        x, g, b, eps=1e-5, has_weight=True, has_bias=True, y_dtype=None, implementation="pallas",
+        **kw))(
             x, gamma, beta)
     outs = jax.jit(lambda *a: group_norm_bwd_p.bind(
         *a, has_gamma=True, output_mask=mask, implementation="pallas", **kw))(

@@ -115,6 +115,7 @@ LAYER_CASES = [
     (lambda: jn.layer_norm(x, out_dtype=jnp.bfloat16), TypeError, "out_dtype"),
     (lambda: jn.rms_norm(x, out_dtype="int8"), TypeError, "out_dtype"),
     (lambda: jn.layer_norm(x, out_dtype="no-such-dtype"), TypeError, "out_dtype"),
+    (lambda: jn.group_norm(x, 2, out_dtype=jnp.float16), TypeError, "out_dtype"),
     (lambda: jn.layer_norm_fwd(x, 10, weight=jnp.ones(10, BF16)), TypeError, "weight"),
     (lambda: jn.group_norm(gx, 4), ValueError, "group"),
     (lambda: jn.group_norm(gx, 3, channel_axis=0), ValueError, "channel_axis"),

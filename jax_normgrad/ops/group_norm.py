@@ -43,13 +43,13 @@ def _check_params(weight, bias, x, c, weight_name="weight", bias_name="bias"):
   return weight, bias
 
 
-def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation):
-  """Canonical forward: y with x's shape, float32 (N, G) mean and rstd."""
+def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation, y_dtype=None):
+  """Canonical forward: y with x's shape in ``y_dtype`` (None: x's), float32 (N, G) mean and rstd."""
   y, mean, rstd = _sharding.bind(
       group_norm_fwd_p, x.reshape(_canonical_shape(n, c, hw, channels_last)),
       *present(as_f32(weight, (1, c)), as_f32(bias, (1, c))), eps=eps, group=group,
       channels_last=channels_last, has_weight=weight is not None, has_bias=bias is not None,
-      param_groups=1, implementation=implementation)
+      param_groups=1, y_dtype=y_dtype, implementation=implementation)
   return y.reshape(x.shape), mean, rstd
 
 
@@ -163,18 +163,20 @@ def group_norm_backward(grad_out, x, mean, rstd, gamma, N, C, HxW, group,
   return dx, cast(dg), cast(db)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _group_norm(x, weight, bias, layout, group, eps, channels_last, implementation):
-  return _fwd(x, weight, bias, *layout, group, eps, channels_last, implementation)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _group_norm(x, weight, bias, layout, group, eps, channels_last, implementation, out_dtype):
+  return _fwd(x, weight, bias, *layout, group, eps, channels_last, implementation, out_dtype)[0]
 
 
-def _group_norm_vjp_fwd(x, weight, bias, layout, group, eps, channels_last, implementation):
-  y, mean, rstd = _fwd(x, weight, bias, *layout, group, eps, channels_last, implementation)
+def _group_norm_vjp_fwd(x, weight, bias, layout, group, eps, channels_last, implementation,
+                        out_dtype):
+  y, mean, rstd = _fwd(x, weight, bias, *layout, group, eps, channels_last, implementation,
+                       out_dtype)
   return y, (x, mean, rstd, weight, bias)
 
 
-def _group_norm_vjp_bwd(layout, group, eps, channels_last, implementation, res, dy):
-  del eps
+def _group_norm_vjp_bwd(layout, group, eps, channels_last, implementation, out_dtype, res, dy):
+  del eps, out_dtype  # dy arrives in y's dtype; dx is in x's.
   x, mean, rstd, weight, bias = res
   mask = (True, weight is not None, bias is not None)
   n, c, hw = layout
@@ -191,7 +193,7 @@ _group_norm.defvjp(_group_norm_vjp_fwd, _group_norm_vjp_bwd)
 
 
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=1,
-               implementation=None):
+               out_dtype=None, implementation=None):
   """Differentiable GroupNorm whose backward runs the backward kernel.
 
   ``x`` has the batch at axis 0 and channels at ``channel_axis``: ``1`` is
@@ -207,10 +209,13 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
     weight, bias: optional, shape ``(C,)``, x's dtype or float32.
     eps: float >= 0.
     channel_axis: the channel axis; the batch axis 0 is refused.
+    out_dtype: y's dtype: None (x's dtype) or float32 (a 16-bit x with float32
+      parameters, as Flax promotes: y rounded once, x never copied to float32
+      on CPU; see :func:`jax_normgrad.layer_norm`).
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
-    ``y`` with x's shape and dtype.
+    ``y`` with x's shape, in ``out_dtype`` (None: x's dtype).
 
   Raises:
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
@@ -228,6 +233,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
                      f"{channel_axis}")
   implementation = v.check_implementation(implementation)
   eps = v.check_eps(eps)
+  out_dtype = v.check_out_dtype(out_dtype, x)
   moved = 1 < axis < x.ndim - 1
   xc = jnp.moveaxis(x, axis, 1) if moved else x
   channels_last = axis == x.ndim - 1 and x.ndim > 2
@@ -240,5 +246,6 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
     v.check_shape("weight", weight, (c,), "(C,)")
   if bias is not None:
     v.check_shape("bias", bias, (c,), "(C,)")
-  y = _group_norm(xc, weight, bias, (n, c, hw), group, eps, channels_last, implementation)
+  y = _group_norm(xc, weight, bias, (n, c, hw), group, eps, channels_last, implementation,
+                  out_dtype)
   return jnp.moveaxis(y, 1, axis) if moved else y

@@ -3,7 +3,8 @@
 Canonical operands (see ``jax_normgrad.reference``): ``x``, ``dy`` of shape
 ``(N, C, HW)`` or, with ``channels_last``, ``(N, HW, C)``; ``mean``, ``rstd``
 of shape ``(N, G)`` float32; ``gamma``/``beta`` of shape ``(W, C)`` float32,
-``W = param_groups``.
+``W = param_groups``. As for LayerNorm, the forward's ``y_dtype`` (None: x's
+dtype, or float32) is y's dtype, and ``dy`` is in x's dtype or float32.
 """
 
 from __future__ import annotations
@@ -28,23 +29,24 @@ def _channels(x, channels_last):
 
 
 def _fwd_abstract(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups,
-                  implementation):
+                  y_dtype, implementation):
   del params, eps, channels_last, has_weight, has_bias, param_groups, implementation
-  return [shaped(x.shape, x.dtype), shaped((x.shape[0], group), F32),
+  return [shaped(x.shape, y_dtype or x.dtype), shaped((x.shape[0], group), F32),
           shaped((x.shape[0], group), F32)]
 
 
-def _fwd_xla(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups):
+def _fwd_xla(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups, y_dtype):
   weight, bias = _split_params(params, has_weight, has_bias)
   return reference.group_norm_fwd(x, weight, bias, eps=eps, group=group,
-                                  channels_last=channels_last, param_groups=param_groups)
+                                  channels_last=channels_last, param_groups=param_groups,
+                                  y_dtype=y_dtype)
 
 
-def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups):
+def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups, y_dtype):
   weight, bias = _split_params(params, has_weight, has_bias)
   stats = jax.ShapeDtypeStruct((x.shape[0], group), F32)
   return list(_ffi.call("jax_normgrad_group_norm_fwd",
-                        [jax.ShapeDtypeStruct(x.shape, x.dtype), stats, stats],
+                        [jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype), stats, stats],
                         x, weight, bias, eps=eps, group=group, param_groups=param_groups,
                         channels_last=channels_last, has_weight=has_weight, has_bias=has_bias))
 
