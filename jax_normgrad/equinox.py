@@ -95,8 +95,9 @@ class RMSNorm(eqx.nn.RMSNorm):
 
       y = x / sqrt(mean(x^2) + eps) * weight + bias
 
-  With a bias and a 16-bit x the kernels run on x widened to float32 (the
-  RMSNorm kernel has no bias; so y is still rounded once).
+  With a bias and a 16-bit x the kernel writes a float32 y (``out_dtype``)
+  and the bias is added in float32 (the RMSNorm kernel has no bias; so y is
+  still rounded once).
   {_layers.fallback_doc("equinox.nn.RMSNorm", _FALLBACK_CASES)}
   Raises: equinox's ``ValueError`` when ``x.shape != shape``.
   """
