@@ -171,3 +171,34 @@ def test_layer_saves_only_x_and_float32_stats(rng):
   big = [l for l in saved if l.size >= x.size]
   assert all(l.dtype == jnp.bfloat16 for l in big), [(l.shape, l.dtype) for l in saved]
   assert sum(l.size for l in big) <= x.size
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "group_norm"])
+def test_float32_result_under_vmap_and_second_order(rng, op):
+  """out_dtype=float32 with a bfloat16 x: vmap with per-example weights and grad of grad.
+
+  The default implementation against the pure-JAX reference ("xla"), which
+  computes the same thing in float32: dx agrees to bfloat16 rounding, the
+  float32 gradients to float32 accumulation.
+  """
+  x = random(rng, (3, 5, 24), jnp.bfloat16, 2.0, 0.5)
+  w = random(rng, (3, 24), jnp.float32, 1.0, 1.0)
+  layers = {
+      "layer_norm": lambda x, w, impl: jn.layer_norm(x, w, None, out_dtype=jnp.float32,
+                                                     implementation=impl),
+      "rms_norm": lambda x, w, impl: jn.rms_norm(x, w, out_dtype=jnp.float32, implementation=impl),
+      "group_norm": lambda x, w, impl: jn.group_norm(x, 4, w, None, channel_axis=-1,
+                                                     out_dtype=jnp.float32, implementation=impl),
+  }
+  layer = layers[op]
+  loss = lambda impl: lambda x, w: jnp.sum(layer(x, w, impl) ** 3)
+  per_example = {impl: jax.jit(jax.vmap(jax.grad(loss(impl), argnums=(0, 1))))(x, w)
+                 for impl in (None, "xla")}
+  (dx, dw), (dx_ref, dw_ref) = per_example[None], per_example["xla"]
+  assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  _assert_tree_close(dx.astype(jnp.float32), dx_ref.astype(jnp.float32), 2.0 ** -7)
+  _assert_tree_close(dw, dw_ref)
+  grad_w = lambda impl: jax.grad(loss(impl), argnums=1)
+  second = {impl: jax.jit(jax.grad(lambda w: jnp.sum(grad_w(impl)(x[0], w) ** 2)))(w[0])
+            for impl in (None, "xla")}
+  _assert_tree_close(second[None], second["xla"])
