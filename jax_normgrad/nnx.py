@@ -59,12 +59,27 @@ def _nnx_norm(mdl, original, x, mask, *, centered: bool):
     return original.__call__(mdl, x, mask=mask)
   trailing = tuple(feature_shape[begin:])
   scale, bias = (None if p is None else p.reshape(trailing) for p in (scale, bias))
-  return _layers.norm(xp, scale, bias, begin=begin, eps=mdl.epsilon, centered=centered,
-                      out_dtype=out_dtype, implementation=mdl.implementation)
+  return _layers.norm(_kernel_x(mdl, x, xp), scale, bias, begin=begin, eps=mdl.epsilon,
+                      centered=centered, out_dtype=out_dtype, implementation=mdl.implementation)
 
 
 def _dtype(a):
   return None if a is None else a.dtype
+
+
+def _kernel_x(mdl, x, xp):
+  """The x the kernels read: ``x`` itself where nnx's default ``promote_dtype`` only widened it.
+
+  nnx promotes a 16-bit x with float32 parameters to a float32 copy. The
+  widening is exact, and the kernels read the 16-bit x with a float32 result
+  (``out_dtype``) themselves, without that copy. A custom ``promote_dtype``
+  may compute anything, so its output is used as it is.
+  """
+  x = jnp.asarray(x)
+  if (mdl.promote_dtype is nnx_dtypes.promote_dtype and xp.dtype == _layers.F32
+      and x.dtype in (jnp.bfloat16, jnp.float16)):
+    return x
+  return xp
 
 
 _COMMON_CASES = [
@@ -162,6 +177,6 @@ class GroupNorm(nnx.GroupNorm):
     if reason is not None:
       _layers.warn_fallback("jax_normgrad.nnx.GroupNorm", reason, "flax.nnx.GroupNorm")
       return nnx.GroupNorm.__call__(self, x, mask=mask)
-    return _layers.group_norm(xp, self.num_groups, scale, bias, batch_ndim=1, channels_last=True,
-                              eps=self.epsilon, out_dtype=out_dtype,
+    return _layers.group_norm(_kernel_x(self, x, xp), self.num_groups, scale, bias, batch_ndim=1,
+                              channels_last=True, eps=self.epsilon, out_dtype=out_dtype,
                               implementation=self.implementation)

@@ -200,15 +200,17 @@ NNX_CASES = [
     ("LayerNorm", (40,), {}, (4, 6, 40), F32, True),
     ("LayerNorm", (40,), {"use_bias": False, "use_scale": False}, (4, 40), F32, True),
     ("LayerNorm", (40,), {"dtype": BF16}, (4, 40), F32, True),  # x promoted to bf16 first
-    ("LayerNorm", (40,), {}, (4, 40), BF16, True),
+    ("LayerNorm", (40,), {}, (4, 40), BF16, True),                # bf16 x read as is, f32 y
     ("LayerNorm", (40,), {"param_dtype": BF16}, (4, 40), BF16, True),
     ("LayerNorm", (6,), {"reduction_axes": 1, "feature_axes": 1}, (4, 6, 40), F32, False),
     ("RMSNorm", (40,), {}, (4, 6, 40), F32, True),
     ("RMSNorm", (40,), {"use_scale": False, "epsilon": 1e-3}, (4, 40), BF16, True),
+    ("RMSNorm", (40,), {}, (4, 6, 40), BF16, True),
     ("GroupNorm", (16,), {"num_groups": 4}, (3, 5, 7, 16), F32, True),
     ("GroupNorm", (16,), {"num_groups": None, "group_size": 2}, (3, 4, 16), F32, True),
     ("GroupNorm", (16,), {"num_groups": 4, "use_bias": False, "dtype": BF16}, (3, 5, 16), F32,
      True),
+    ("GroupNorm", (16,), {"num_groups": 4}, (3, 5, 7, 16), BF16, True),
     ("GroupNorm", (8,), {"num_groups": 2, "reduction_axes": (1, 3)}, (2, 3, 4, 8), F32, False),
 ]
 
