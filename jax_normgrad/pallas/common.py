@@ -165,8 +165,14 @@ def _backends():
   return gpu, tpu
 
 
-def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool):
-  """``(y, mean | None, rstd)``: ``y`` like x ``(n, a, b)``, statistics ``(n, groups)`` float32."""
+def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dtype=None):
+  """``(y, mean | None, rstd)``: ``y`` like x ``(n, a, b)``, statistics ``(n, groups)`` float32.
+
+  y is in ``y_dtype`` (None: x's). The kernels read and write one dtype: a float32 y from a 16-bit x widens x
+  first (exactly; an XLA convert), so y is rounded once.
+  """
+  if y_dtype is not None and y_dtype != x.dtype:
+    x = x.astype(y_dtype)
   gpu, tpu = _backends()
   stats = jnp.zeros((seg.n, seg.groups), F32)
   if x.size == 0:
@@ -180,6 +186,9 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool):
 
   ``dx`` like x; ``dgamma``, ``dbeta`` of shape ``(param_groups, channels)``
   float32. Empty inputs give an empty ``dx`` and zero parameter gradients.
+  ``dy`` may be float32 with a 16-bit x (the backward of a float32 y): the
+  kernels take one dtype, so x and dy are widened (exactly) and dx is
+  rounded back to x's dtype.
   """
   gpu, tpu = _backends()
   if not any(mask):
@@ -188,5 +197,9 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool):
     zeros = jnp.zeros((seg.param_groups, seg.channels), F32)
     return (jnp.zeros_like(x) if mask[0] else None,) + tuple(
         zeros if m else None for m in mask[1:])
-  return dispatch(gpu.backward, tpu.backward, (dy, x, mean, rstd, gamma), interpret=interpret,
-                  seg=seg, mask=tuple(mask))
+  x_dtype = x.dtype
+  if dy.dtype != x_dtype:
+    x, dy = x.astype(F32), dy.astype(F32)
+  dx, dgamma, dbeta = dispatch(gpu.backward, tpu.backward, (dy, x, mean, rstd, gamma),
+                               interpret=interpret, seg=seg, mask=tuple(mask))
+  return (None if dx is None else dx.astype(x_dtype)), dgamma, dbeta

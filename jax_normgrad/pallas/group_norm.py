@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from jax_normgrad.pallas import common
 
 
@@ -18,13 +16,13 @@ def group_norm_fwd(x, *params, eps, group, channels_last, has_weight, has_bias, 
   """``[y, mean, rstd]``, statistics ``(N, G)`` over each ``C/G * HW`` block, in float32.
 
   ``y = (x - mean) * rstd * weight[c] + bias[c]`` in ``y_dtype`` (None: x's);
-  x is read in its layout, never transposed. The kernels read and write one
-  dtype: a float32 y from a 16-bit x widens x first (exactly; an XLA convert).
+  x is read in its layout, never transposed (see ``common.forward`` for a
+  float32 y from a 16-bit x).
   """
   weight, bias = common.unpack(params, has_weight, has_bias)
   seg = _groups(x, group, channels_last, param_groups)
-  kx = x if y_dtype in (None, x.dtype) else x.astype(y_dtype)
-  return list(common.forward(seg, kx, weight, bias, eps=eps, interpret=interpret))
+  return list(common.forward(seg, x, weight, bias, eps=eps, interpret=interpret,
+                             y_dtype=y_dtype))
 
 
 def group_norm_bwd(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
@@ -37,11 +35,5 @@ def group_norm_bwd(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, o
   """
   gamma, = common.unpack(gamma, has_gamma)
   seg = _groups(x, group, channels_last, param_groups)
-  # A float32 dy with a 16-bit x: one dtype for the kernels, dx rounded back.
-  kx = x if dy.dtype == x.dtype else x.astype(jnp.float32)
-  kdy = dy if dy.dtype == x.dtype else dy.astype(jnp.float32)
-  outs = list(common.backward(seg, kdy, kx, mean, rstd, gamma, tuple(output_mask),
-                              interpret=interpret))
-  if outs[0] is not None:
-    outs[0] = outs[0].astype(x.dtype)
+  outs = common.backward(seg, dy, x, mean, rstd, gamma, tuple(output_mask), interpret=interpret)
   return [o for o, m in zip(outs, output_mask) if m]

@@ -38,11 +38,8 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
   """
   weight, bias = common.unpack(params, has_weight, has_bias)
   seg = _rows(x, centered, param_groups)
-  # The Pallas kernels read and write one dtype: a float32 y from a 16-bit x
-  # widens x first (exactly; an XLA convert), so y is rounded once.
-  kx = x if y_dtype in (None, x.dtype) else x.astype(y_dtype)
-  y, mean, rstd = common.forward(seg, kx.reshape(seg.n, 1, seg.b), weight, bias, eps=eps,
-                                 interpret=interpret)
+  y, mean, rstd = common.forward(seg, x.reshape(seg.n, 1, seg.b), weight, bias, eps=eps,
+                                 interpret=interpret, y_dtype=y_dtype)
   mean = mean.reshape(seg.n) if centered else None
   rstd = rstd.reshape(seg.n)
   outs = [y.reshape(x.shape)] + ([mean, rstd] if centered else [rstd])
@@ -70,10 +67,6 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
     mean, kernel_rstd = (jnp.zeros((m,), F32) if centered else None), jnp.ones((m,), F32)
     if mask[0] and x.dtype != F32:
       kx, kdy = x.astype(F32), dy.astype(F32)
-  if kdy.dtype != kx.dtype:
-    # A float32 dy with a 16-bit x (the backward of a float32 y): the kernels
-    # take one dtype, so x is widened (exactly); dx is rounded back below.
-    kx, kdy = kx.astype(F32), kdy.astype(F32)
   seg = _rows(x, centered, param_groups)
   view = (seg.n, 1, seg.b)
   outs = common.backward(seg, kdy.reshape(view), kx.reshape(view),
@@ -82,8 +75,6 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   dx = None if outs[0] is None else outs[0].reshape(x.shape)
   if dx is not None and normalized:
     dx = (dx.astype(F32) * rstd[:, None]).astype(x.dtype)
-  elif dx is not None:
-    dx = dx.astype(x.dtype)
   result = [o for o, m_ in zip((dx,) + tuple(outs[1:]), mask) if m_]
   if write_xhat:
     result.append(x if normalized else _xhat(x, mean, rstd))
