@@ -135,7 +135,7 @@ void BwdCoefficients(const GnShape& s, const float* rstd, const float* gamma, co
 
 template <typename T, typename Ty>
 void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
-                      const float* b, float eps, Ty* y, float* mean, float* rstd) {
+                      const float* b, float eps, Ty* y, float* mean, float* rstd, bool stream_y) {
   const int64_t D = s.D(), blocks = s.N * s.G;
   const float inv_d = 1.0f / static_cast<float>(D);
   const int64_t tasks = NumTasks(blocks, CeilDiv(kMinElementsPerTask, D), kMaxTasks);
@@ -163,9 +163,13 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
         const float a = rs * (wn ? wn[c] : 1.f), bb = bn ? bn[c] : 0.f;
         const T* xc = xb + ci * s.HW;
         Ty* yc = y + off + ci * s.HW;
-        ForRow(s.HW, [&](auto tag, int64_t j) { St(tag, yc + j, (Ld(tag, xc + j) - mu) * a + bb); });
+        const bool stream = StreamRow(stream_y, yc);
+        ForRow(s.HW, [&](auto tag, int64_t j) {
+          StOut(tag, yc + j, (Ld(tag, xc + j) - mu) * a + bb, stream);
+        });
       }
     }
+    if (stream_y) StreamFence();
   });
 }
 
@@ -320,7 +324,7 @@ void GroupMoments(const GnShape& s, const Moments& m, int64_t n, float eps, floa
 
 template <typename T, typename Ty>
 void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
-                      const float* b, float eps, Ty* y, float* mean, float* rstd) {
+                      const float* b, float eps, Ty* y, float* mean, float* rstd, bool stream_y) {
   const size_t nc = static_cast<size_t>(s.N * s.C);
   // Per-(n, c): mean[c], a[c] = rstd * weight[c], b[c].
   std::vector<float> mu_c(nc), a_c(nc), b_c(nc, 0.f);
@@ -357,10 +361,13 @@ void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
       for (int64_t hw = hb; hw < he; ++hw) {
         const T* xr = x + (n * s.HW + hw) * s.C;
         Ty* yr = y + (n * s.HW + hw) * s.C;
+        const bool stream = StreamRow(stream_y, yr);
         ForRow(s.C, [&](auto tag, int64_t c) {
-          St(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c));
+          StOut(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c),
+                stream);
         });
       }
+      if (stream_y) StreamFence();
     });
   });
 }
@@ -371,7 +378,7 @@ void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
 template <typename T, typename Tdy>
 void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, const T* x,
                       const float* mean, const float* rstd, const float* gamma, T* dx,
-                      float* db, float* ds) {
+                      float* db, float* ds, bool stream_dx) {
   const int64_t D = s.D(), blocks = s.N * s.G;
   const float inv_d = 1.0f / static_cast<float>(D);
   const int64_t tasks = NumTasks(blocks, CeilDiv(kMinElementsPerTask, std::max<int64_t>(D, 1)), kMaxTasks);
@@ -405,18 +412,20 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         const T* xc = x + (n * s.C + c) * s.HW;
         T* dxc = dx + (n * s.C + c) * s.HW;
         const float a = rs * (gn ? gn[c] : 1.f);
+        const bool stream = StreamRow(stream_dx, dxc);
         ForRow(s.HW, [&](auto tag, int64_t j) {
-          St(tag, dxc + j, a * Ld(tag, dyc + j) - b - k * (Ld(tag, xc + j) - mu));
+          StOut(tag, dxc + j, a * Ld(tag, dyc + j) - b - k * (Ld(tag, xc + j) - mu), stream);
         });
       }
     }
+    if (stream_dx) StreamFence();
   });
 }
 
 template <typename T, typename Tdy>
 void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, const T* x,
                       const float* mean, const float* rstd, const float* gamma, T* dx,
-                      float* db, float* ds) {
+                      float* db, float* ds, bool stream_dx) {
   const size_t nc = static_cast<size_t>(s.N * s.C);
   std::vector<float> mu_c(nc);
   ExpandGroups(s, mean, 0, s.N, mu_c.data());
@@ -457,11 +466,15 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         const Tdy* dyr = dy + (n * s.HW + hw) * s.C;
         const T* xr = x + (n * s.HW + hw) * s.C;
         T* dxr = dx + (n * s.HW + hw) * s.C;
+        const bool stream = StreamRow(stream_dx, dxr);
         ForRow(s.C, [&](auto tag, int64_t c) {
-          St(tag, dxr + c, Ld(tag, a + c) * Ld(tag, dyr + c) - Ld(tag, b + c) -
-                               Ld(tag, k + c) * (Ld(tag, xr + c) - Ld(tag, mu + c)));
+          StOut(tag, dxr + c,
+                Ld(tag, a + c) * Ld(tag, dyr + c) - Ld(tag, b + c) -
+                    Ld(tag, k + c) * (Ld(tag, xr + c) - Ld(tag, mu + c)),
+                stream);
         });
       }
+      if (stream_dx) StreamFence();
     });
   });
 }
@@ -511,10 +524,12 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
       AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
+      const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes()) +
+                                         s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
       if (channels_last)
-        GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data());
+        GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
       else
-        GroupNormFwdNCHW(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data());
+        GroupNormFwdNCHW(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
       return ffi::Error::Success();
     });
   });
@@ -559,10 +574,13 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
       AdviseHugePages(dxp, compute_dx ? size * static_cast<int64_t>(sizeof(T)) : 0);
+      const bool stream_dx =
+          compute_dx && StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes()) +
+                                     size * static_cast<int64_t>(sizeof(T)));
       if (channels_last)
-        GroupNormBwdNHWC(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data());
+        GroupNormBwdNHWC(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data(), stream_dx);
       else
-        GroupNormBwdNCHW(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data());
+        GroupNormBwdNCHW(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data(), stream_dx);
       return ffi::Error::Success();
     });
     if (dy_error.failure()) return dy_error;

@@ -32,12 +32,13 @@ constexpr int64_t kMinRowsPerPartial = 8;
 // ones). Prefetches the line `ahead` elements on in x (0: none).
 template <typename T, typename Ty>
 void FwdOutput(const T* x, const float* w, const float* b, Ty* y, T* xo, int64_t n, float mu,
-               float rs, int64_t ahead) {
+               float rs, int64_t ahead, bool stream_y) {
+  const bool stream = StreamRow(stream_y, y);
   ForRow(n, [&](auto tag, int64_t j) {
     if (ahead) PrefetchLine(tag, x + ahead + j);
     auto xh = (Ld(tag, x + j) - mu) * rs;
     if (xo) St(tag, xo + j, xh);
-    St(tag, y + j, xh * Ld(tag, w + j) + Ld(tag, b + j));
+    StOut(tag, y + j, xh * Ld(tag, w + j) + Ld(tag, b + j), stream);
   });
 }
 
@@ -46,7 +47,7 @@ void FwdOutput(const T* x, const float* w, const float* b, Ty* y, T* xo, int64_t
 template <typename T, typename Ty>
 void LayerNormFwdRows(const T* x, const float* w, const float* b, Ty* y, T* xhat_out,
                       float* mean_out, float* rstd_out, int64_t row_begin,
-                      int64_t row_end, int64_t H, float eps, bool centered) {
+                      int64_t row_end, int64_t H, float eps, bool centered, bool stream_y) {
   const float inv_h = 1.0f / static_cast<float>(H);
   const bool prefetch_rows = PrefetchNextRow<T>(H);
   for (int64_t i = row_begin; i < row_end; ++i) {
@@ -68,8 +69,9 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, Ty* y, T* xhat
     if (mean_out) mean_out[i] = mu;
     rstd_out[i] = rs;
     FwdOutput(xr, w, b, y + i * H, xhat_out ? xhat_out + i * H : nullptr, H, mu, rs,
-              prefetch_rows && i + 1 < row_end ? H : 0);
+              prefetch_rows && i + 1 < row_end ? H : 0, stream_y);
   }
+  if (stream_y) StreamFence();
 }
 
 // Few, long rows (fewer than kMinRowsForRowTasks per parameter group, of at
@@ -105,7 +107,7 @@ template <typename T, typename Ty>
 void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const float* w, const float* b,
                          Ty* y, T* xhat_out, float* mean_out, float* rstd_out,
                          int64_t row_begin, int64_t row_end, int64_t H, float eps,
-                         bool centered) {
+                         bool centered, bool stream_y) {
   const ColumnChunks cc(H);
   const int64_t rows = row_end - row_begin, units = rows * cc.count;
   std::vector<float> cm(static_cast<size_t>(units)), cq(static_cast<size_t>(units));
@@ -146,7 +148,9 @@ void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const float* w, cons
   ParallelFor(pool, units, [&](int64_t u) {
     const int64_t r = u / cc.count, i = row_begin + r, c0 = cc.begin(u % cc.count);
     FwdOutput(x + i * H + c0, w + c0, b + c0, y + i * H + c0,
-              xhat_out ? xhat_out + i * H + c0 : nullptr, cc.size(u % cc.count), mu[r], rs[r], 0);
+              xhat_out ? xhat_out + i * H + c0 : nullptr, cc.size(u % cc.count), mu[r], rs[r], 0,
+              stream_y);
+    if (stream_y) StreamFence();
   });
 }
 
@@ -173,6 +177,7 @@ struct LayerNormBwd {
   T* xhat_out;
   int64_t H;
   bool centered, normalized;
+  bool stream_dx;  // dx by non-temporal stores where a row is aligned (StStream)
 
   float Mu(int64_t i) const { return (centered && !normalized) ? mean[i] : 0.f; }
   float Rs(int64_t i) const { return rstd ? rstd[i] : 1.f; }
@@ -216,11 +221,12 @@ struct LayerNormBwd {
     T* dxr = kDx ? dx + i * H + c0 : nullptr;
     T* xo = xhat_out ? xhat_out + i * H + c0 : nullptr;
     const float mu = Mu(i), rs = Rs(i), xs = Xs(i);
+    const bool stream = kDx && StreamRow(stream_dx, dxr);
     ForRow(n, [&](auto tag, int64_t j) {
       if (ahead) PrefetchLine(tag, dyr + ahead + j), PrefetchLine(tag, xr + ahead + j);
       auto d = Ld(tag, dyr + j);
       auto xh = (Ld(tag, xr + j) - mu) * xs;
-      if (kDx) St(tag, dxr + j, rs * (d * Ld(tag, wr + j)) - b - k * xh);
+      if (kDx) StOut(tag, dxr + j, rs * (d * Ld(tag, wr + j)) - b - k * xh, stream);
       if (kDw) St(tag, dw + j, kOverwrite ? d * xh : Ld(tag, dw + j) + d * xh);
       if (kDb) St(tag, db + j, kOverwrite ? d : Ld(tag, db + j) + d);
       if (xo) St(tag, xo + j, xh);
@@ -241,6 +247,7 @@ struct LayerNormBwd {
       // memory system is not idle while this core computes.
       Fused(i, 0, H, b, k, dw, db, prefetch_rows && i + 1 < row_end ? H : 0);
     }
+    if (stream_dx) StreamFence();
   }
 };
 
@@ -297,6 +304,7 @@ void ColumnChunkedBwd(ffi::ThreadPool* pool, const Op& op, int64_t row_begin, in
     float* dbc = db ? db + c0 : nullptr;
     op.template Fused<true>(row_begin, c0, n, b[0], k[0], dwc, dbc, 0);
     for (int64_t r = 1; r < rows; ++r) op.Fused(row_begin + r, c0, n, b[r], k[r], dwc, dbc, 0);
+    if (op.stream_dx) StreamFence();
   });
 }
 
@@ -346,18 +354,20 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
       AdviseHugePages(yp, M * H * static_cast<int64_t>(sizeof(Ty)));
+      const bool stream_y =
+          StreamOutput(static_cast<int64_t>(x.size_bytes()) + M * H * static_cast<int64_t>(sizeof(Ty)));
       T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
       if (UseColumnChunks(M / W, H)) {
         for (int64_t grp = 0; grp < W; ++grp)
           LayerNormFwdChunked(&pool, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
-                              rstd_p, grp * (M / W), (grp + 1) * (M / W), H, eps, centered);
+                              rstd_p, grp * (M / W), (grp + 1) * (M / W), H, eps, centered, stream_y);
         return ffi::Error::Success();
       }
       RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
       ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
         const int64_t grp = split.group(t);
         LayerNormFwdRows(xp, w + grp * H, b + grp * H, yp, xhp, mean_p, rstd_p,
-                         split.begin(t), split.end(t), H, eps, centered);
+                         split.begin(t), split.end(t), H, eps, centered, stream_y);
       });
       return ffi::Error::Success();
     });
@@ -444,12 +454,18 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
       AdviseHugePages(dxp, compute_dx ? M * H * static_cast<int64_t>(sizeof(T)) : 0);
+      // Not for a 16-bit dx: measured 0.8-0.95x as fast as plain stores
+      // (8192x1024 bfloat16, three interleaved A/B runs).
+      const bool stream_dx =
+          compute_dx && sizeof(T) == 4 &&
+          StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes()) + M * H * 4);
       T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
       WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
         using Op = LayerNormBwd<T, Tdy, decltype(kdx)::value, decltype(kdw)::value,
                                 decltype(kdb)::value>;
         auto op_of = [&](int64_t grp) {
-          return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dxp, xhp, H, centered, normalized};
+          return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dxp, xhp, H, centered, normalized,
+                    stream_dx};
         };
         if (column_chunks) {
           for (int64_t grp = 0; grp < W; ++grp)

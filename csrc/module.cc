@@ -101,5 +101,8 @@ NB_MODULE(_jax_normgrad, m) {
     return d;
   });
   m.attr("sanitizers") = JNG_SANITIZERS;
+  // Bytes a kernel moves from which it writes its output by non-temporal
+  // stores (common.h); tests size their streamed cases past it.
+  m.attr("_stream_min_bytes") = jax_normgrad::generic::kStreamMinBytes;
   DefineIndexHelpers(m);
 }

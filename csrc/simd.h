@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -104,6 +104,59 @@ inline void St(VecTagL<L>, T* p, VF v) {
 template <typename T>
 inline void St(ScalarTag, T* p, float v) {
   *p = FromFloat<T>(v);
+}
+
+// StStream: St by non-temporal stores, which write whole lines to memory
+// without first reading them into the cache (a plain store's read for
+// ownership: a fourth memory pass in a backward that reads x and dy and
+// writes dx). For outputs too big to stay in cache anyway. p must be
+// aligned to the packed vector's size; a task that streams ends with
+// StreamFence().
+template <int L, typename T>
+inline void StStream([[maybe_unused]] VecTagL<L> tag, T* p, VF v) {
+#if defined(__SSE2__)
+  const auto packed = Pack(p, v);
+  static_assert(sizeof(packed) % 16 == 0, "streamed in 16-byte pieces");
+#if defined(__AVX__)
+  if constexpr (sizeof(packed) == 32) {
+    _mm256_stream_ps(reinterpret_cast<float*>(p), (__m256)packed);
+    return;
+  }
+#endif
+  for (size_t o = 0; o < sizeof(packed); o += 16) {
+    __m128i piece;
+    std::memcpy(&piece, reinterpret_cast<const char*>(&packed) + o, 16);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(reinterpret_cast<char*>(p) + o), piece);
+  }
+#else
+  St(tag, p, v);
+#endif
+}
+template <typename T>
+inline void StStream(ScalarTag tag, T* p, float v) {
+  St(tag, p, v);
+}
+// Orders this thread's streamed stores before whatever it does next (the
+// task's completion signal): they are weakly ordered.
+inline void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+// Whether an output row starting at p is written by StStream: when the
+// kernel streams its output (StreamOutput) and p is aligned to a vector's
+// bytes, as the row loop's vector stores (at multiples of kVec elements from
+// p) then all are. Otherwise plain stores, same values.
+template <typename T>
+inline bool StreamRow(bool stream_output, const T* p) {
+  constexpr uintptr_t kBytes = kVec * sizeof(T);
+  return stream_output && reinterpret_cast<uintptr_t>(p) % kBytes == 0;
+}
+// St, or StStream where the row streams (StreamRow).
+template <typename Tag, typename T, typename V>
+inline void StOut(Tag tag, T* p, V v, bool stream) {
+  if (stream) StStream(tag, p, v);
+  else St(tag, p, v);
 }
 
 // Prefetches the cache line at p once per 64 bytes of a row loop (the

@@ -149,6 +149,7 @@ def test_generic_isa_build_is_correct_too():
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
        os.path.join(here, "test_layer_norm.py"), os.path.join(here, "test_group_norm.py"),
-       "-k", "Default and (backward or forward) and not long_row"],
+       os.path.join(here, "test_streaming.py"),
+       "-k", "(Default and (backward or forward) and not long_row) or stream"],
       env=env, capture_output=True, text=True)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
