@@ -15,6 +15,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -123,12 +126,22 @@ ffi::Error DispatchSameOrF32(ffi::DataType dtype, ffi::DataType x_dtype, const c
 // a shared counter and the calling thread claims too, so it never waits on a
 // task that nobody has started: no deadlock even when the pool is busy
 // running other custom calls.
+// A task's non-temporal stores (StStream in simd.h) are weakly ordered:
+// ParallelFor fences after every task, so they are visible before the task
+// counts as done. Cheap after a task that made none.
+inline void StoreFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 template <typename Fn>
 void ParallelFor(ffi::ThreadPool* pool, int64_t num_tasks, const Fn& fn) {
   if (num_tasks <= 0) return;
   int64_t threads = pool ? pool->num_threads() : 0;
   if (num_tasks == 1 || threads <= 1) {
     for (int64_t i = 0; i < num_tasks; ++i) fn(i);
+    StoreFence();
     return;
   }
   struct State {
@@ -146,6 +159,7 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t num_tasks, const Fn& fn) {
       int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
       if (i >= num_tasks) return;
       (*fn_ptr)(i);
+      StoreFence();
       if (state->done.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks) {
         std::lock_guard<std::mutex> lock(state->mu);
         state->cv.notify_all();

@@ -169,7 +169,6 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
         });
       }
     }
-    if (stream_y) StreamFence();
   });
 }
 
@@ -367,7 +366,6 @@ void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
                 stream);
         });
       }
-      if (stream_y) StreamFence();
     });
   });
 }
@@ -418,7 +416,6 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         });
       }
     }
-    if (stream_dx) StreamFence();
   });
 }
 
@@ -474,7 +471,6 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
                 stream);
         });
       }
-      if (stream_dx) StreamFence();
     });
   });
 }

@@ -71,7 +71,6 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, Ty* y, T* xhat
     FwdOutput(xr, w, b, y + i * H, xhat_out ? xhat_out + i * H : nullptr, H, mu, rs,
               prefetch_rows && i + 1 < row_end ? H : 0, stream_y);
   }
-  if (stream_y) StreamFence();
 }
 
 // Few, long rows (fewer than kMinRowsForRowTasks per parameter group, of at
@@ -150,7 +149,6 @@ void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const float* w, cons
     FwdOutput(x + i * H + c0, w + c0, b + c0, y + i * H + c0,
               xhat_out ? xhat_out + i * H + c0 : nullptr, cc.size(u % cc.count), mu[r], rs[r], 0,
               stream_y);
-    if (stream_y) StreamFence();
   });
 }
 
@@ -247,7 +245,6 @@ struct LayerNormBwd {
       // memory system is not idle while this core computes.
       Fused(i, 0, H, b, k, dw, db, prefetch_rows && i + 1 < row_end ? H : 0);
     }
-    if (stream_dx) StreamFence();
   }
 };
 
@@ -304,7 +301,6 @@ void ColumnChunkedBwd(ffi::ThreadPool* pool, const Op& op, int64_t row_begin, in
     float* dbc = db ? db + c0 : nullptr;
     op.template Fused<true>(row_begin, c0, n, b[0], k[0], dwc, dbc, 0);
     for (int64_t r = 1; r < rows; ++r) op.Fused(row_begin + r, c0, n, b[r], k[r], dwc, dbc, 0);
-    if (op.stream_dx) StreamFence();
   });
 }
 

@@ -110,8 +110,8 @@ inline void St(ScalarTag, T* p, float v) {
 // without first reading them into the cache (a plain store's read for
 // ownership: a fourth memory pass in a backward that reads x and dy and
 // writes dx). For outputs too big to stay in cache anyway. p must be
-// aligned to the packed vector's size; a task that streams ends with
-// StreamFence().
+// aligned to the packed vector's size; only inside ParallelFor tasks, which
+// end with the fence these stores need (StoreFence in common.h).
 template <int L, typename T>
 inline void StStream([[maybe_unused]] VecTagL<L> tag, T* p, VF v) {
 #if defined(__SSE2__)
@@ -135,13 +135,6 @@ inline void StStream([[maybe_unused]] VecTagL<L> tag, T* p, VF v) {
 template <typename T>
 inline void StStream(ScalarTag tag, T* p, float v) {
   St(tag, p, v);
-}
-// Orders this thread's streamed stores before whatever it does next (the
-// task's completion signal): they are weakly ordered.
-inline void StreamFence() {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
 }
 // Whether an output row starting at p is written by StStream: when the
 // kernel streams its output (StreamOutput) and p is aligned to a vector's
