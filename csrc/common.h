@@ -117,15 +117,6 @@ ffi::Error DispatchSameOrF32(ffi::DataType dtype, ffi::DataType x_dtype, const c
   return ffi::Error::InvalidArgument(std::string(what) + ": dtype must be x's or float32");
 }
 
-// ---------------------------------------------------------------------------
-// Deterministic parallel-for on the FFI thread pool.
-//
-// The work is split into `num_tasks` pieces by the caller from the problem
-// shape alone, so the arithmetic (and every float result) does not depend on
-// how many threads run it or in which order. Threads claim task indices from
-// a shared counter and the calling thread claims too, so it never waits on a
-// task that nobody has started: no deadlock even when the pool is busy
-// running other custom calls.
 // A task's non-temporal stores (StStream in simd.h) are weakly ordered:
 // ParallelFor fences after every task, so they are visible before the task
 // counts as done. Cheap after a task that made none.
@@ -135,6 +126,15 @@ inline void StoreFence() {
 #endif
 }
 
+// ---------------------------------------------------------------------------
+// Deterministic parallel-for on the FFI thread pool.
+//
+// The work is split into `num_tasks` pieces by the caller from the problem
+// shape alone, so the arithmetic (and every float result) does not depend on
+// how many threads run it or in which order. Threads claim task indices from
+// a shared counter and the calling thread claims too, so it never waits on a
+// task that nobody has started: no deadlock even when the pool is busy
+// running other custom calls.
 template <typename Fn>
 void ParallelFor(ffi::ThreadPool* pool, int64_t num_tasks, const Fn& fn) {
   if (num_tasks <= 0) return;

@@ -520,8 +520,7 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
       AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
-      const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes()) +
-                                         s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
+      const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
       if (channels_last)
         GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
       else
@@ -570,9 +569,8 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
       AdviseHugePages(dxp, compute_dx ? size * static_cast<int64_t>(sizeof(T)) : 0);
-      const bool stream_dx =
-          compute_dx && StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes()) +
-                                     size * static_cast<int64_t>(sizeof(T)));
+      const bool stream_dx = compute_dx && StreamOutput(static_cast<int64_t>(
+                                               x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
       if (channels_last)
         GroupNormBwdNHWC(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data(), stream_dx);
       else

@@ -350,8 +350,7 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
       AdviseHugePages(yp, M * H * static_cast<int64_t>(sizeof(Ty)));
-      const bool stream_y =
-          StreamOutput(static_cast<int64_t>(x.size_bytes()) + M * H * static_cast<int64_t>(sizeof(Ty)));
+      const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
       T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
       if (UseColumnChunks(M / W, H)) {
         for (int64_t grp = 0; grp < W; ++grp)
@@ -454,7 +453,7 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       // (8192x1024 bfloat16, three interleaved A/B runs).
       const bool stream_dx =
           compute_dx && sizeof(T) == 4 &&
-          StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes()) + M * H * 4);
+          StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
       T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
       WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
         using Op = LayerNormBwd<T, Tdy, decltype(kdx)::value, decltype(kdw)::value,
