@@ -109,13 +109,16 @@ def torch_times(kind, shape, dtype, iters):
           "fwd_ms": 1e3 * float(np.median([fwd_once() for _ in range(iters)]))}
 
 
-def flax_grad_times(kind, shape, dtype, iters, layer_dtype=None):
+def flax_grad_times(kind, shape, dtype, iters, layer_dtype=None, with_value=False):
   """jax.grad of flax.linen's layer vs of the jax_normgrad.flax drop-in, same input and params, ms.
 
-  LayerNorm on (rows, hidden); GroupNorm in Flax's channels-last layout (the
-  NCHW shape's channels moved last). ``layer_dtype``: the layers' ``dtype``
-  (None: Flax's default, the result promoted with the float32 parameters).
-  None when flax is not installed.
+  The loss is ``vdot(layer(x), dy)``. LayerNorm on (rows, hidden); GroupNorm
+  in Flax's channels-last layout (the NCHW shape's channels moved last).
+  ``layer_dtype``: the layers' ``dtype`` (None: Flax's default, the result
+  promoted with the float32 parameters). ``with_value``: ``jax.value_and_grad``
+  instead, so y is computed (with ``jax.grad`` nothing reads y, and XLA drops
+  every op that only y needs; in a model the next layer reads it). None when
+  flax is not installed.
   """
   try:
     import flax.linen as nn
@@ -135,7 +138,8 @@ def flax_grad_times(kind, shape, dtype, iters, layer_dtype=None):
     layer = make(mod)
     params = layer.init(jax.random.key(1), x)
     loss = lambda p, x, dy: jnp.vdot(layer.apply(p, x).astype(jnp.float32), dy.astype(jnp.float32))
-    out[who] = _bench.median_ms(jax.jit(jax.grad(loss, argnums=(0, 1))), params, x, dy, iters=iters)
+    grad = (jax.value_and_grad if with_value else jax.grad)(loss, argnums=(0, 1))
+    out[who] = _bench.median_ms(jax.jit(grad), params, x, dy, iters=iters)
   return out
 
 
@@ -160,6 +164,8 @@ def measure(kind, shape, dtype, bandwidth, iters):
   if fl:
     row["flax_grad_flax_ms"], row["flax_grad_ours_ms"] = fl["flax"], fl["ours"]
     row["flax_grad_speedup"] = fl["flax"] / fl["ours"]
+    fl = flax_grad_times(kind, shape, dtype, iters, with_value=True)
+    row["flax_vg_flax_ms"], row["flax_vg_ours_ms"] = fl["flax"], fl["ours"]
   if fl and jnp.dtype(dtype) != jnp.float32:
     # The layers with dtype=x's dtype: a 16-bit result, no float32 promotion.
     fl = flax_grad_times(kind, shape, dtype, iters, layer_dtype=dtype)
@@ -180,6 +186,8 @@ def print_table(rows):
           f"{r['bwd_vs_floor']:6.2f}x | {r['fwd_ours_ms']:8.2f} {r['fwd_xla_ms']:7.2f} {torch_f} | "
           f"{r['grad_ours_ms']:9.2f} {r['grad_xla_ms']:7.2f} | "
           f"{r.get('flax_grad_ours_ms', float('nan')):12.2f} {r.get('flax_grad_flax_ms', float('nan')):10.2f}"
+          + (f" | value_and_grad: {r['flax_vg_ours_ms']:.2f} {r['flax_vg_flax_ms']:.2f}"
+             if "flax_vg_ours_ms" in r else "")
           + (f" | layer dtype={r['dtype']}: {r['flax16_grad_ours_ms']:.2f} {r['flax16_grad_flax_ms']:.2f}"
              if "flax16_grad_ours_ms" in r else ""),
           flush=True)

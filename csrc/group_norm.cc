@@ -1,4 +1,5 @@
-// GroupNorm forward-with-statistics and backward as XLA FFI handlers (CPU).
+// GroupNorm forward-with-statistics, channels-last apply (y from given
+// statistics) and backward as XLA FFI handlers (CPU).
 //
 // x is (N, C, HW) (channels_last=false) or (N, HW, C) (channels_last=true),
 // both read in place, never transposed; y (forward) and dy (backward) are in
@@ -84,10 +85,10 @@ void ColumnSums(ffi::ThreadPool* pool, const GnShape& s, int64_t n_begin, int64_
   }
 }
 
-// Channels-last kernels walk the samples in batches of about kSampleBatchBytes
-// of input, each batch's passes back to back, so a pass after the first finds
-// the batch in the last-level cache instead of memory. The batching changes
-// no arithmetic.
+// The channels-last backward walks the samples in batches of about
+// kSampleBatchBytes of input, each batch's two passes back to back, so the
+// second finds the batch in the last-level cache instead of memory. The
+// batching changes no arithmetic.
 constexpr int64_t kSampleBatchBytes = int64_t{8} << 20;
 
 template <typename Fn>
@@ -156,6 +157,7 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
       const float rs = 1.0f / std::sqrt(sq.Sum() * inv_d + eps);
       mean[bi] = mu;
       rstd[bi] = rs;
+      if (!y) continue;
       const float* wn = s.ParamRow(w, n);
       const float* bn = s.ParamRow(b, n);
       for (int64_t ci = 0; ci < s.Cg; ++ci) {
@@ -321,53 +323,71 @@ void GroupMoments(const GnShape& s, const Moments& m, int64_t n, float eps, floa
   }
 }
 
+// Channels-last statistics in one pass over memory: per chunk and channel a
+// mean and M2 (sum of squared deviations), merged in a fixed order, then
+// over each group's channels.
+template <typename T>
+void StatsNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, float eps, float* mean,
+               float* rstd) {
+  const int64_t P = ChunksPerSample(s);
+  std::vector<Moments> part;
+  part.reserve(static_cast<size_t>(s.N * P));
+  for (int64_t u = 0; u < s.N * P; ++u) part.emplace_back(s.C);
+  ForEachHwChunk(pool, s, P, 0, s.N, [&](int64_t n, int64_t hb, int64_t he, int64_t u) {
+    ChunkMoments(x + n * s.HW * s.C, s.C, hb, he, &part[u]);
+  });
+  for (int64_t n = 0; n < s.N; ++n) {
+    Moments& m = part[n * P];
+    for (int64_t p = 1; p < P; ++p) m.Merge(part[n * P + p]);
+    GroupMoments(s, m, n, eps, mean, rstd);
+  }
+}
+
+// Channels-last y = (x - mean) * rstd * weight[c] + bias[c] from given (N, G)
+// statistics, as (x - mu[c]) * a[c] + bb[c] with per-(n, c) coefficients.
+// The lowering calls the statistics (GroupNormFwdImpl with an empty y) and
+// this (GroupNormApplyImpl) as two custom calls, so that XLA drops this pass
+// where y is unused, as it drops jnp code. One call for both measured no
+// faster: the statistics need the whole sample before y's first element,
+// and an L3 re-read of x costs about what a memory read does here.
+template <typename T, typename Ty>
+void GroupNormApplyNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* mean,
+                        const float* rstd, const float* w, const float* b, Ty* y, bool stream_y) {
+  const size_t nc = static_cast<size_t>(s.N * s.C);
+  std::vector<float> mu_c(nc), a_c(nc), b_c(nc);
+  ExpandGroups(s, mean, 0, s.N, mu_c.data());
+  ExpandGroups(s, rstd, 0, s.N, a_c.data());
+  for (int64_t n = 0; n < s.N; ++n) {
+    const float* wn = s.ParamRow(w, n);
+    const float* bn = s.ParamRow(b, n);
+    for (int64_t c = 0; c < s.C; ++c) {
+      if (wn) a_c[n * s.C + c] *= wn[c];
+      b_c[n * s.C + c] = bn ? bn[c] : 0.f;
+    }
+  }
+  ForEachHwChunk(pool, s, ChunksPerSample(s), 0, s.N, [&](int64_t n, int64_t hb, int64_t he,
+                                                          int64_t) {
+    const float* mu = mu_c.data() + n * s.C;
+    const float* a = a_c.data() + n * s.C;
+    const float* bb = b_c.data() + n * s.C;
+    for (int64_t hw = hb; hw < he; ++hw) {
+      const T* xr = x + (n * s.HW + hw) * s.C;
+      Ty* yr = y + (n * s.HW + hw) * s.C;
+      const bool stream = StreamRow(stream_y, yr);
+      ForRow(s.C, [&](auto tag, int64_t c) {
+        StOut(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c),
+              stream);
+      });
+    }
+  });
+}
+
+// Channels-last forward: the statistics, then y unless y == nullptr.
 template <typename T, typename Ty>
 void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
                       const float* b, float eps, Ty* y, float* mean, float* rstd, bool stream_y) {
-  const size_t nc = static_cast<size_t>(s.N * s.C);
-  // Per-(n, c): mean[c], a[c] = rstd * weight[c], b[c].
-  std::vector<float> mu_c(nc), a_c(nc), b_c(nc, 0.f);
-  const int64_t P = ChunksPerSample(s);
-  ForEachSampleBatch(s, s.HW * s.C * static_cast<int64_t>(sizeof(T)), [&](int64_t n0, int64_t n1) {
-    // One pass over memory for the statistics: per chunk and channel a mean
-    // and M2 (sum of squared deviations), merged in a fixed order.
-    std::vector<Moments> part;
-    part.reserve(static_cast<size_t>((n1 - n0) * P));
-    for (int64_t u = 0; u < (n1 - n0) * P; ++u) part.emplace_back(s.C);
-    ForEachHwChunk(pool, s, P, n0, n1, [&](int64_t n, int64_t hb, int64_t he, int64_t u) {
-      ChunkMoments(x + n * s.HW * s.C, s.C, hb, he, &part[u - n0 * P]);
-    });
-    for (int64_t n = n0; n < n1; ++n) {
-      Moments& m = part[(n - n0) * P];
-      for (int64_t p = 1; p < P; ++p) m.Merge(part[(n - n0) * P + p]);
-      GroupMoments(s, m, n, eps, mean, rstd);
-    }
-    ExpandGroups(s, mean, n0, n1, mu_c.data());
-    // y = (x - mean[c]) * a[c] + b[c] per (n, c), a = rstd * weight.
-    ExpandGroups(s, rstd, n0, n1, a_c.data());
-    for (int64_t n = n0; n < n1; ++n) {
-      const float* wn = s.ParamRow(w, n);
-      const float* bn = s.ParamRow(b, n);
-      for (int64_t c = 0; c < s.C; ++c) {
-        if (wn) a_c[n * s.C + c] *= wn[c];
-        if (bn) b_c[n * s.C + c] = bn[c];
-      }
-    }
-    ForEachHwChunk(pool, s, P, n0, n1, [&](int64_t n, int64_t hb, int64_t he, int64_t) {
-      const float* mu = mu_c.data() + n * s.C;
-      const float* a = a_c.data() + n * s.C;
-      const float* bb = b_c.data() + n * s.C;
-      for (int64_t hw = hb; hw < he; ++hw) {
-        const T* xr = x + (n * s.HW + hw) * s.C;
-        Ty* yr = y + (n * s.HW + hw) * s.C;
-        const bool stream = StreamRow(stream_y, yr);
-        ForRow(s.C, [&](auto tag, int64_t c) {
-          StOut(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c),
-                stream);
-        });
-      }
-    });
-  });
+  StatsNHWC(pool, s, x, eps, mean, rstd);
+  if (y) GroupNormApplyNHWC(pool, s, x, mean, rstd, w, b, y, stream_y);
 }
 
 // Fills db[n*C + c] = sum_hw dy and ds[n*C + c] = sum_hw dy * (x - mean[n, g]),
@@ -495,6 +515,8 @@ ffi::Error ParseShape(const ffi::AnyBuffer& x, bool channels_last, int64_t G, in
 
 }  // namespace
 
+// y may be empty: the statistics alone (the lowering's first half of a
+// channels-last forward, whose y GroupNormApplyImpl writes).
 ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> bias,
                             ffi::Result<ffi::AnyBuffer> y,
@@ -504,7 +526,8 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                             bool has_bias) {
   GnShape s;
   JNG_RETURN_IF_ERROR(ParseShape(x, channels_last, group, param_groups, &s));
-  JNG_RETURN_IF_ERROR(CheckSize("y", y->element_count(), s.N * s.C * s.HW));
+  const bool compute_y = y->element_count() != 0;
+  JNG_RETURN_IF_ERROR(CheckSize("y", y->element_count(), compute_y ? s.N * s.C * s.HW : 0));
   JNG_RETURN_IF_ERROR(CheckSize("weight", weight.element_count(), has_weight ? s.W * s.C : 0));
   JNG_RETURN_IF_ERROR(CheckSize("bias", bias.element_count(), has_bias ? s.W * s.C : 0));
   JNG_RETURN_IF_ERROR(CheckSize("mean", mean->element_count(), s.N * s.G));
@@ -518,13 +541,44 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     return DispatchSameOrF32<T>(y->element_type(), x.element_type(), "y", [&](auto ytag) {
       using Ty = decltype(ytag);
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-      Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
-      AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
+      Ty* yp = compute_y ? reinterpret_cast<Ty*>(y->untyped_data()) : nullptr;
+      AdviseHugePages(yp, compute_y ? s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)) : 0);
       const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
       if (channels_last)
         GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
       else
         GroupNormFwdNCHW(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
+      return ffi::Error::Success();
+    });
+  });
+}
+
+// Channels-last y from given (N, G) statistics (see GroupNormApplyNHWC):
+// the forward's second pass as its own call.
+ffi::Error GroupNormApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                              ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
+                              ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> bias,
+                              ffi::Result<ffi::AnyBuffer> y, int64_t group,
+                              int64_t param_groups, bool has_weight, bool has_bias) {
+  GnShape s;
+  JNG_RETURN_IF_ERROR(ParseShape(x, /*channels_last=*/true, group, param_groups, &s));
+  JNG_RETURN_IF_ERROR(CheckSize("y", y->element_count(), s.N * s.C * s.HW));
+  JNG_RETURN_IF_ERROR(CheckSize("mean", mean.element_count(), s.N * s.G));
+  JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd.element_count(), s.N * s.G));
+  JNG_RETURN_IF_ERROR(CheckSize("weight", weight.element_count(), has_weight ? s.W * s.C : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("bias", bias.element_count(), has_bias ? s.W * s.C : 0));
+  if (s.N == 0 || s.HW == 0) return ffi::Error::Success();
+  const float* w = has_weight ? weight.typed_data() : nullptr;
+  const float* b = has_bias ? bias.typed_data() : nullptr;
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    return DispatchSameOrF32<T>(y->element_type(), x.element_type(), "y", [&](auto ytag) {
+      using Ty = decltype(ytag);
+      Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
+      AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
+      GroupNormApplyNHWC(&pool, s, reinterpret_cast<const T*>(x.untyped_data()),
+                         mean.typed_data(), rstd.typed_data(), w, b, yp,
+                         StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes())));
       return ffi::Error::Success();
     });
   });
@@ -601,13 +655,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormFwd), jax_normgrad::JNG_IS
                                   .Arg<xla::ffi::AnyBuffer>()               // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weight (W, C) or (0)
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // bias (W, C) or (0)
-                                  .Ret<xla::ffi::AnyBuffer>()               // y
+                                  .Ret<xla::ffi::AnyBuffer>()               // y or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (N, G)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (N, G)
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("param_groups")
                                   .Attr<bool>("channels_last")
+                                  .Attr<bool>("has_weight")
+                                  .Attr<bool>("has_bias"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormApply), jax_normgrad::JNG_ISA::GroupNormApplyImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // x (N, HW, C)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (N, G)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (N, G)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weight (W, C) or (0)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // bias (W, C) or (0)
+                                  .Ret<xla::ffi::AnyBuffer>()               // y
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("param_groups")
                                   .Attr<bool>("has_weight")
                                   .Attr<bool>("has_bias"));
 

@@ -10,6 +10,7 @@
   XLA_FFI_DECLARE_HANDLER_SYMBOL(JngLayerNormFwd_##isa);       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(JngLayerNormBwd_##isa);       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(JngGroupNormFwd_##isa);       \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(JngGroupNormApply_##isa);     \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(JngGroupNormBwd_##isa)
 
 JNG_DECLARE_HANDLERS(generic);

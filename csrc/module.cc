@@ -43,6 +43,7 @@ std::string SelectedIsa() {
     d["jax_normgrad_layer_norm_fwd"] = EncapsulateFfiHandler(JngLayerNormFwd_##isa);       \
     d["jax_normgrad_layer_norm_bwd"] = EncapsulateFfiHandler(JngLayerNormBwd_##isa);       \
     d["jax_normgrad_group_norm_fwd"] = EncapsulateFfiHandler(JngGroupNormFwd_##isa);       \
+    d["jax_normgrad_group_norm_apply"] = EncapsulateFfiHandler(JngGroupNormApply_##isa);   \
     d["jax_normgrad_group_norm_bwd"] = EncapsulateFfiHandler(JngGroupNormBwd_##isa);       \
   } while (0)
 

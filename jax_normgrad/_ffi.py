@@ -22,6 +22,7 @@ TARGETS = (
     "jax_normgrad_layer_norm_fwd",
     "jax_normgrad_layer_norm_bwd",
     "jax_normgrad_group_norm_fwd",
+    "jax_normgrad_group_norm_apply",
     "jax_normgrad_group_norm_bwd",
 )
 

@@ -49,6 +49,43 @@ def test_backward_ops_lower_to_custom_call():
   assert "custom_call @jax_normgrad_group_norm_bwd" in g.lower(gx, gx).as_text()
 
 
+def test_channels_last_forward_drops_y_where_unused():
+  # A channels-last forward is two calls, statistics then y, so that XLA
+  # drops y's pass when nothing reads y (as it drops jnp code): jax.grad of
+  # vdot(y, dy) needs only the statistics.
+  xl = jax.random.normal(jax.random.key(0), (3, 5, 7, 16))
+  dy = jax.random.normal(jax.random.key(1), xl.shape)
+  wl = jnp.linspace(0.5, 1.5, 16)
+  loss = lambda x, w: jnp.vdot(jn.group_norm(x, 4, w, w, channel_axis=-1), dy)
+  dead = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  live = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  dead_text = dead.lower(xl, wl).compile().as_text()
+  live_text = live.lower(xl, wl).compile().as_text()
+  for text in (dead_text, live_text):
+    assert 'custom_call_target="jax_normgrad_group_norm_fwd"' in text
+    assert 'custom_call_target="jax_normgrad_group_norm_bwd"' in text
+  assert 'custom_call_target="jax_normgrad_group_norm_apply"' not in dead_text
+  assert 'custom_call_target="jax_normgrad_group_norm_apply"' in live_text
+  for a, b in zip(dead(xl, wl), live(xl, wl)[1]):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_group_norm_fwd_with_empty_y_gives_the_same_statistics(channels_last):
+  # The statistics-only call (an empty y) is the full forward minus y, bitwise.
+  xg = jax.random.normal(jax.random.key(2), (3, 37, 24) if channels_last else (3, 24, 37)) + 3.0
+  stats = _sds((3, 6))
+  attrs = dict(eps=1e-5, group=6, param_groups=1, channels_last=channels_last,
+               has_weight=False, has_bias=False)
+  _, mean, rstd = _raw("jax_normgrad_group_norm_fwd", [_sds(xg.shape), stats, stats], xg, None,
+                       None, **attrs)
+  y0, mean0, rstd0 = _raw("jax_normgrad_group_norm_fwd", [_sds((0,)), stats, stats], xg, None,
+                          None, **attrs)
+  assert y0.shape == (0,)
+  np.testing.assert_array_equal(mean0, mean)
+  np.testing.assert_array_equal(rstd0, rstd)
+
+
 def test_registered_targets():
   assert _ffi.available()
   assert set(_ffi.TARGETS) == set(_ffi._ext.registrations())
@@ -128,6 +165,16 @@ BAD_FFI_CALLS = [
      (np.ones((2, 6, 5), np.float32), None, None),
      dict(eps=1e-5, group=3, param_groups=1, channels_last=False, has_weight=True,
           has_bias=False), "weight"),
+    # statistics of the wrong length.
+    ("jax_normgrad_group_norm_apply", [_sds((2, 5, 6))],
+     (np.ones((2, 5, 6), np.float32), np.ones((2, 2), np.float32), np.ones((2, 3), np.float32),
+      None, None),
+     dict(group=3, param_groups=1, has_weight=False, has_bias=False), "mean"),
+    # a y of the wrong size (neither empty nor x's).
+    ("jax_normgrad_group_norm_fwd", [_sds((7,)), _sds((2, 3)), _sds((2, 3))],
+     (np.ones((2, 6, 5), np.float32), None, None),
+     dict(eps=1e-5, group=3, param_groups=1, channels_last=True, has_weight=False,
+          has_bias=False), "y"),
 ]
 
 

@@ -199,7 +199,9 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
   ``x`` has the batch at axis 0 and channels at ``channel_axis``: ``1`` is
   NCHW (PyTorch), ``-1`` is NHWC (Flax); any number of spatial dims,
   including none. Both layouts run in place; any other ``channel_axis >= 1``
-  is moved to axis 1 first (a transpose of x in and of y out). Statistics
+  is moved to axis 1 first (a transpose of x in and of y out). On CPU the
+  channels-last forward is two kernel calls, the statistics then y, so that
+  XLA drops y's pass where y is unused (as it does for jnp code). Statistics
   are over each ``(n, group)`` block of ``C/num_groups * prod(spatial)``
   elements (see :func:`group_norm_fwd`); backward: :func:`group_norm_backward`.
 

@@ -45,10 +45,20 @@ def _fwd_xla(x, *params, eps, group, channels_last, has_weight, has_bias, param_
 def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups, y_dtype):
   weight, bias = _split_params(params, has_weight, has_bias)
   stats = jax.ShapeDtypeStruct((x.shape[0], group), F32)
-  return list(_ffi.call("jax_normgrad_group_norm_fwd",
-                        [jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype), stats, stats],
-                        x, weight, bias, eps=eps, group=group, param_groups=param_groups,
-                        channels_last=channels_last, has_weight=has_weight, has_bias=has_bias))
+  y_type = jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype)
+  attrs = dict(group=group, param_groups=param_groups, has_weight=has_weight, has_bias=has_bias)
+  if not channels_last:
+    return list(_ffi.call("jax_normgrad_group_norm_fwd", [y_type, stats, stats], x, weight, bias,
+                          eps=eps, channels_last=channels_last, **attrs))
+  # Channels-last statistics need a pass over the whole sample before y's
+  # pass, so the forward is two calls: the statistics (an empty y), then y.
+  # XLA drops the second where y is unused, as it does for jnp code: jax.grad
+  # of a loss whose gradient needs only the statistics (a one-pass forward).
+  _, mean, rstd = _ffi.call("jax_normgrad_group_norm_fwd",
+                            [jax.ShapeDtypeStruct((0,), y_type.dtype), stats, stats], x, weight,
+                            bias, eps=eps, channels_last=True, **attrs)
+  y = _ffi.call("jax_normgrad_group_norm_apply", [y_type], x, mean, rstd, weight, bias, **attrs)[0]
+  return [y, mean, rstd]
 
 
 def _roles(channels_last):
