@@ -117,6 +117,18 @@ ffi::Error DispatchSameOrF32(ffi::DataType dtype, ffi::DataType x_dtype, const c
   return ffi::Error::InvalidArgument(std::string(what) + ": dtype must be x's or float32");
 }
 
+// fn(T{}, To{}) for x's element type T (DispatchFloat) and an output's To,
+// T or float32 (DispatchSameOrF32; `what` names the output in errors).
+template <typename Fn>
+ffi::Error DispatchXAndOutput(const ffi::AnyBuffer& x, ffi::DataType out_dtype, const char* what,
+                              Fn&& fn) {
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    return DispatchSameOrF32<T>(out_dtype, x.element_type(), what,
+                                [&](auto out_tag) { return fn(tag, out_tag); });
+  });
+}
+
 // A task's non-temporal stores (StStream in simd.h) are weakly ordered:
 // ParallelFor fences after every task, so they are visible before the task
 // counts as done. Cheap after a task that made none.

@@ -536,20 +536,18 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (s.HW == 0) return ffi::Error::InvalidArgument("x: HxW must be positive for the forward");
   const float* w = has_weight ? weight.typed_data() : nullptr;
   const float* b = has_bias ? bias.typed_data() : nullptr;
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+  return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
     using T = decltype(tag);
-    return DispatchSameOrF32<T>(y->element_type(), x.element_type(), "y", [&](auto ytag) {
-      using Ty = decltype(ytag);
-      const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-      Ty* yp = compute_y ? reinterpret_cast<Ty*>(y->untyped_data()) : nullptr;
-      AdviseHugePages(yp, compute_y ? s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)) : 0);
-      const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
-      if (channels_last)
-        GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
-      else
-        GroupNormFwdNCHW(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
-      return ffi::Error::Success();
-    });
+    using Ty = decltype(ytag);
+    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+    Ty* yp = compute_y ? reinterpret_cast<Ty*>(y->untyped_data()) : nullptr;
+    AdviseHugePages(yp, compute_y ? s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)) : 0);
+    const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
+    if (channels_last)
+      GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
+    else
+      GroupNormFwdNCHW(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
+    return ffi::Error::Success();
   });
 }
 
@@ -570,17 +568,15 @@ ffi::Error GroupNormApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (s.N == 0 || s.HW == 0) return ffi::Error::Success();
   const float* w = has_weight ? weight.typed_data() : nullptr;
   const float* b = has_bias ? bias.typed_data() : nullptr;
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+  return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
     using T = decltype(tag);
-    return DispatchSameOrF32<T>(y->element_type(), x.element_type(), "y", [&](auto ytag) {
-      using Ty = decltype(ytag);
-      Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
-      AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
-      GroupNormApplyNHWC(&pool, s, reinterpret_cast<const T*>(x.untyped_data()),
-                         mean.typed_data(), rstd.typed_data(), w, b, yp,
-                         StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes())));
-      return ffi::Error::Success();
-    });
+    using Ty = decltype(ytag);
+    Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
+    AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
+    GroupNormApplyNHWC(&pool, s, reinterpret_cast<const T*>(x.untyped_data()), mean.typed_data(),
+                       rstd.typed_data(), w, b, yp,
+                       StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes())));
+    return ffi::Error::Success();
   });
 }
 

@@ -343,29 +343,27 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const float* b = ParamsOrConstant(has_bias ? bias.typed_data() : nullptr, W * H, 0.f, &b_zeros);
   float* mean_p = centered ? mean->typed_data() : nullptr;
   float* rstd_p = rstd->typed_data();
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+  return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
     using T = decltype(tag);
-    return DispatchSameOrF32<T>(y->element_type(), x.element_type(), "y", [&](auto ytag) {
-      using Ty = decltype(ytag);
-      const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-      Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
-      AdviseHugePages(yp, M * H * static_cast<int64_t>(sizeof(Ty)));
-      const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
-      T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
-      if (UseColumnChunks(M / W, H)) {
-        for (int64_t grp = 0; grp < W; ++grp)
-          LayerNormFwdChunked(&pool, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
-                              rstd_p, grp * (M / W), (grp + 1) * (M / W), H, eps, centered, stream_y);
-        return ffi::Error::Success();
-      }
-      RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
-      ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
-        const int64_t grp = split.group(t);
-        LayerNormFwdRows(xp, w + grp * H, b + grp * H, yp, xhp, mean_p, rstd_p,
-                         split.begin(t), split.end(t), H, eps, centered, stream_y);
-      });
+    using Ty = decltype(ytag);
+    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+    Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
+    AdviseHugePages(yp, M * H * static_cast<int64_t>(sizeof(Ty)));
+    const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
+    T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
+    if (UseColumnChunks(M / W, H)) {
+      for (int64_t grp = 0; grp < W; ++grp)
+        LayerNormFwdChunked(&pool, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
+                            rstd_p, grp * (M / W), (grp + 1) * (M / W), H, eps, centered, stream_y);
       return ffi::Error::Success();
+    }
+    RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
+    ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
+      const int64_t grp = split.group(t);
+      LayerNormFwdRows(xp, w + grp * H, b + grp * H, yp, xhp, mean_p, rstd_p,
+                       split.begin(t), split.end(t), H, eps, centered, stream_y);
     });
+    return ffi::Error::Success();
   });
 }
 
