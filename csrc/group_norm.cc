@@ -541,7 +541,7 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     using Ty = decltype(ytag);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     Ty* yp = compute_y ? reinterpret_cast<Ty*>(y->untyped_data()) : nullptr;
-    AdviseHugePages(yp, compute_y ? s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)) : 0);
+    AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
     const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
     if (channels_last)
       GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
@@ -572,7 +572,7 @@ ffi::Error GroupNormApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     using T = decltype(tag);
     using Ty = decltype(ytag);
     Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
-    AdviseHugePages(yp, s.N * s.C * s.HW * static_cast<int64_t>(sizeof(Ty)));
+    AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
     GroupNormApplyNHWC(&pool, s, reinterpret_cast<const T*>(x.untyped_data()), mean.typed_data(),
                        rstd.typed_data(), w, b, yp,
                        StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes())));
@@ -618,7 +618,7 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
-      AdviseHugePages(dxp, compute_dx ? size * static_cast<int64_t>(sizeof(T)) : 0);
+      AdviseHugePages(dxp, static_cast<int64_t>(dx->size_bytes()));
       const bool stream_dx = compute_dx && StreamOutput(static_cast<int64_t>(
                                                x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
       if (channels_last)

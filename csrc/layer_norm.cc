@@ -356,7 +356,7 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     using Ty = decltype(ytag);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
-    AdviseHugePages(yp, M * H * static_cast<int64_t>(sizeof(Ty)));
+    AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
     const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
     if (UseColumnChunks(M / W, H)) {
@@ -417,8 +417,8 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
        (static_cast<int64_t>(x.size_bytes()) + static_cast<int64_t>(dy.size_bytes())) / W <=
            kColumnChunksMaxBytes);
   // Long rows make the parameter gradients as big as a tensor (see AdviseHugePages).
-  AdviseHugePages(dw_out, dw_out ? W * H * 4 : 0);
-  AdviseHugePages(db_out, db_out ? W * H * 4 : 0);
+  AdviseHugePages(dw_out, static_cast<int64_t>(dweight->size_bytes()));
+  AdviseHugePages(db_out, static_cast<int64_t>(dbias->size_bytes()));
   if (dw_out && !column_chunks) std::fill(dw_out, dw_out + W * H, 0.f);
   if (db_out && !column_chunks) std::fill(db_out, db_out + W * H, 0.f);
   if (M == 0 || H == 0) return ffi::Error::Success();
@@ -454,7 +454,7 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
-      AdviseHugePages(dxp, compute_dx ? M * H * static_cast<int64_t>(sizeof(T)) : 0);
+      AdviseHugePages(dxp, static_cast<int64_t>(dx->size_bytes()));
       // Not for a 16-bit dx: measured 0.8-0.95x as fast as plain stores
       // (8192x1024 bfloat16, three interleaved A/B runs).
       const bool stream_dx =
