@@ -186,13 +186,28 @@ struct Acc {
     v[L] += x;
   }
   void Add(ScalarTag, float x) { s += x; }
-  float Sum() const {
+  // The lanes, then the 8 floats by halves (t[k] += t[k + w] for w = 4, 2,
+  // 1), then the scalar part: the same additions in the same order on every
+  // ISA. Inlined and in registers: GCC had made the loop below an
+  // out-of-line call through the stack, and short rows pay it twice per row
+  // (the backward of in-cache 256-element rows was ~20% slower).
+  __attribute__((always_inline)) float Sum() const {
     VF u = (v[0] + v[1]) + (v[2] + v[3]);
+#if defined(__SSE2__)
+    __m128 lo, hi;
+    std::memcpy(&lo, &u, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&u) + sizeof(lo), sizeof(hi));
+    __m128 q = _mm_add_ps(lo, hi);               // w = 4
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));      // w = 2
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));  // w = 1
+    return _mm_cvtss_f32(q) + s;
+#else
     float t[kVec];
     std::memcpy(t, &u, sizeof(t));
     for (int w = kVec / 2; w > 0; w /= 2)
       for (int k = 0; k < w; ++k) t[k] += t[k + w];
     return t[0] + s;
+#endif
   }
 };
 static_assert(kLanes == 4, "Acc::Sum combines exactly four lanes");
