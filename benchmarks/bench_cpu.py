@@ -3,7 +3,8 @@
 Run from the repository root after `pip install .`:
 
     python benchmarks/bench_cpu.py                   # the issue's rows + a hidden-size sweep
-    python benchmarks/bench_cpu.py --quick           # the issue's rows only
+    python benchmarks/bench_cpu.py --quick           # the issue's rows and the 16-bit rows only
+    python benchmarks/bench_cpu.py --sweep-dtypes float32,bfloat16,float16   # a sweep per dtype
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 \
         python benchmarks/bench_cpu.py               # without fresh-mmap page faults
 
@@ -36,6 +37,14 @@ ISSUE_ROWS = [
     ("ln", (16384, 512), jnp.float32),
     ("ln", (8192, 1024), jnp.bfloat16),
     ("gn", (4, 512, 64, 64, 32), jnp.float32),
+]
+# The other 16-bit cases, measured after the issue's rows in every run: a
+# dtype no row covers can regress unseen (float16 once ran 5x slower than
+# bfloat16 through a lane-by-lane conversion).
+DTYPE_ROWS = [
+    ("ln", (8192, 1024), jnp.float16),
+    ("gn", (4, 512, 64, 64, 32), jnp.bfloat16),
+    ("gn", (4, 512, 64, 64, 32), jnp.float16),
 ]
 # Up to one row of 2^23: the last three points have 8, 2 and 1 rows (the
 # kernels split fewer than 4 rows into column chunks across the pool).
@@ -204,18 +213,21 @@ def plot(rows, path):
   sweep = [r for r in rows if r.get("sweep")]
   if not sweep:
     return
-  fig, ax = plt.subplots(figsize=(7, 4))
-  hidden = [r["shape"][1] for r in sweep]
-  for key, label in (("bwd_ours_ms", "jax_normgrad"), ("bwd_xla_ms", "XLA autodiff"),
-                     ("bwd_torch_ms", "PyTorch"), ("bwd_floor_ms", "bandwidth floor")):
-    if all(key in r for r in sweep):
-      gbs = [r["nbytes"] / (r[key] * 1e-3) / 1e9 for r in sweep]
-      ax.plot(hidden, gbs, marker="o", label=label, linestyle="--" if "floor" in key else "-")
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("hidden size (rows x hidden = 2^23, float32; 2^23 is one row)")
-  ax.set_ylabel("LayerNorm backward GB/s (x, dy read; dx written)")
-  ax.legend()
-  ax.grid(alpha=0.3)
+  dtypes = list(dict.fromkeys(r["dtype"] for r in sweep))  # one panel per dtype, in run order
+  fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 4), squeeze=False)
+  for ax, dtype in zip(axes[0], dtypes):
+    points = [r for r in sweep if r["dtype"] == dtype]
+    hidden = [r["shape"][1] for r in points]
+    for key, label in (("bwd_ours_ms", "jax_normgrad"), ("bwd_xla_ms", "XLA autodiff"),
+                       ("bwd_torch_ms", "PyTorch"), ("bwd_floor_ms", "bandwidth floor")):
+      if all(key in r for r in points):
+        gbs = [r["nbytes"] / (r[key] * 1e-3) / 1e9 for r in points]
+        ax.plot(hidden, gbs, marker="o", label=label, linestyle="--" if "floor" in key else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"hidden size (rows x hidden = 2^23, {dtype}; 2^23 is one row)")
+    ax.set_ylabel("LayerNorm backward GB/s (x, dy read; dx written)")
+    ax.legend()
+    ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   print(f"wrote {path}")
@@ -223,10 +235,12 @@ def plot(rows, path):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="the issue's rows only, no sweep")
+  parser.add_argument("--quick", action="store_true", help="the issue's rows and the 16-bit rows, no sweep")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--out", default="benchmarks/results/cpu.json")
   parser.add_argument("--plot", default="benchmarks/results/cpu_ln_sweep.png")
+  parser.add_argument("--sweep-dtypes", default="float32",
+                      help="comma-separated dtypes of the hidden-size sweep (float32, bfloat16, float16)")
   parser.add_argument("--keep-freed-memory", action="store_true",
                       help="call jax_normgrad.keep_freed_memory() first (no fresh-page faults)")
   args = parser.parse_args(argv)
@@ -246,16 +260,18 @@ def main(argv=None):
   print(json.dumps(info))
   print(f"memory bandwidth ({method}): {bandwidth:.1f} GB/s")
   rows = []
-  for kind, shape, dtype in ISSUE_ROWS:
+  for kind, shape, dtype in ISSUE_ROWS + DTYPE_ROWS:
     rows.append(measure(kind, shape, dtype, bandwidth, args.iters))
     print_table(rows[-1:])
   if not args.quick:
-    print("\nsweep, float32 LayerNorm, rows x hidden = 2^23:")
-    for hidden in SWEEP_HIDDEN:
-      r = measure("ln", (SWEEP_ELEMENTS // hidden, hidden), jnp.float32, bandwidth, args.iters)
-      r["sweep"], r["nbytes"] = True, 3 * SWEEP_ELEMENTS * 4
-      rows.append(r)
-      print_table([r])
+    for name in args.sweep_dtypes.split(","):
+      dtype = jnp.dtype(name)
+      print(f"\nsweep, {dtype.name} LayerNorm, rows x hidden = 2^23:")
+      for hidden in SWEEP_HIDDEN:
+        r = measure("ln", (SWEEP_ELEMENTS // hidden, hidden), dtype, bandwidth, args.iters)
+        r["sweep"], r["nbytes"] = True, 3 * SWEEP_ELEMENTS * dtype.itemsize
+        rows.append(r)
+        print_table([r])
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))

@@ -34,6 +34,54 @@ struct ScalarTag {};
 
 inline VF Splat(float s) { return VF{} + s; }
 
+// float16 <-> float32 by integer vector operations, for x86 without F16C:
+// GCC converts _Float16 vectors there one element at a time through libgcc
+// (~100 cycles each). Same results as the F16C instructions (and libgcc):
+// exact widening, round to nearest even, NaN kept with its sign and top
+// payload bits and made quiet. After F. Giesen's half_to_float /
+// float_to_half_fast3_rtne, with every branch computed and selected.
+#if defined(__SSE2__) && !defined(__F16C__)
+inline VF AsFloat(VU32 u) {
+  VF f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline VU32 AsBits(VF f) {
+  VU32 u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+inline VF HalfBitsToFloat(VU32 h) {
+  constexpr uint32_t kExp = 0x7c00u << 13;        // float16's exponent field, shifted
+  VU32 o = ((h & 0x7fffu) << 13) + ((127u - 15u) << 23);  // rebias the exponent
+  const VU32 e = (h << 13) & kExp;
+  const VU32 inf_nan = (VU32)(e == kExp);
+  const VU32 nan = inf_nan & (VU32)((h & 0x3ffu) != 0);
+  o += inf_nan & ((128u - 16u) << 23);             // exponent all ones
+  o |= nan & 0x400000u;                            // quiet
+  // Subnormal (and zero): one exponent step up, then subtract 2^-14 as a
+  // float, which normalizes exactly.
+  const VU32 sub = AsBits(AsFloat(o + (1u << 23)) - Splat(0x1p-14f));
+  o = (VU32)(e == 0) ? sub : o;
+  return AsFloat(o | ((h & 0x8000u) << 16));
+}
+inline VU32 FloatToHalfBits(VF v) {
+  const VU32 u = AsBits(v);
+  const VU32 sign = u & 0x80000000u;
+  const VU32 a = u ^ sign;
+  // Normal results: rebias, add half an ulp less one plus the kept lsb
+  // (round to nearest even), keep the top bits; overflow carries into Inf.
+  const VU32 normal = (a + (((uint32_t)(15 - 127) << 23) + 0xfffu) + ((a >> 13) & 1u)) >> 13;
+  // Subnormal results: adding 2^-1 aligns the 10 kept bits at the bottom of
+  // the mantissa, rounded to nearest even by the float addition itself.
+  const VU32 sub = AsBits(AsFloat(a) + Splat(0.5f)) - 0x3f000000u;
+  const VU32 inf_nan = (a > 0x7f800000u) ? (0x7e00u | ((a >> 13) & 0x3ffu)) : VU32{} + 0x7c00u;
+  VU32 o = (a < (113u << 23)) ? sub : normal;
+  o = (a >= ((127u + 16u) << 23)) ? inf_nan : o;
+  return o | (sign >> 16);
+}
+#endif
+
 template <int L>
 inline VF Ld(VecTagL<L>, const float* p) {
   VF v;
@@ -58,9 +106,20 @@ inline VF Ld(VecTagL<L>, const BF16* p) {
 }
 template <int L>
 inline VF Ld(VecTagL<L>, const F16* p) {
+#if defined(__F16C__)
+  // One vcvtph2ps: GCC 12 converts a _Float16 vector lane by lane (eight
+  // scalar conversions and the shuffles between), which made the float16
+  // kernels 4-6x slower than the bfloat16 ones.
+  return (VF)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__SSE2__)
+  VU16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return HalfBitsToFloat(__builtin_convertvector(h, VU32));
+#else
   VH h;
   std::memcpy(&h, p, sizeof(h));
   return __builtin_convertvector(h, VF);
+#endif
 }
 template <typename T>
 inline float Ld(ScalarTag, const T* p) {
@@ -94,11 +153,34 @@ inline VU16 Pack(const BF16*, VF v) {
   return __builtin_convertvector(r, VU16);
 #endif
 }
-inline VH Pack(const F16*, VF v) { return __builtin_convertvector(v, VH); }
+inline VH Pack(const F16*, VF v) {
+#if defined(__F16C__)
+  // One vcvtps2ph, round to nearest even: the scalar conversion's rounding
+  // and NaN handling (the same instruction on one lane), see Ld above.
+  return (VH)_mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT);
+#elif defined(__SSE2__)
+  VH h;
+  const VU16 bits = __builtin_convertvector(FloatToHalfBits(v), VU16);
+  std::memcpy(&h, &bits, sizeof(h));
+  return h;
+#else
+  return __builtin_convertvector(v, VH);
+#endif
+}
 
 template <int L, typename T>
 inline void St(VecTagL<L>, T* p, VF v) {
   const auto packed = Pack(p, v);
+#if defined(__SSE2__) && !defined(__AVX__)
+  if constexpr (sizeof(packed) == 32) {
+    // Two 16-byte halves by shuffles, in registers: GCC lowers a memcpy of
+    // a 32-byte vector without AVX (two registers) through a stack copy and
+    // back, on every store.
+    _mm_storeu_ps(reinterpret_cast<float*>(p), __builtin_shufflevector(packed, packed, 0, 1, 2, 3));
+    _mm_storeu_ps(reinterpret_cast<float*>(p) + 4, __builtin_shufflevector(packed, packed, 4, 5, 6, 7));
+    return;
+  }
+#endif
   std::memcpy(p, &packed, sizeof(packed));
 }
 template <typename T>
@@ -116,17 +198,20 @@ template <int L, typename T>
 inline void StStream([[maybe_unused]] VecTagL<L> tag, T* p, VF v) {
 #if defined(__SSE2__)
   const auto packed = Pack(p, v);
-  static_assert(sizeof(packed) % 16 == 0, "streamed in 16-byte pieces");
-#if defined(__AVX__)
+  static_assert(sizeof(packed) == 16 || sizeof(packed) == 32, "one or two 16-byte pieces");
   if constexpr (sizeof(packed) == 32) {
+#if defined(__AVX__)
     _mm256_stream_ps(reinterpret_cast<float*>(p), (__m256)packed);
-    return;
-  }
+#else
+    // The halves by shuffles, in registers (a memcpy from the vector's
+    // address went through the stack).
+    _mm_stream_ps(reinterpret_cast<float*>(p), __builtin_shufflevector(packed, packed, 0, 1, 2, 3));
+    _mm_stream_ps(reinterpret_cast<float*>(p) + 4, __builtin_shufflevector(packed, packed, 4, 5, 6, 7));
 #endif
-  for (size_t o = 0; o < sizeof(packed); o += 16) {
+  } else {
     __m128i piece;
-    std::memcpy(&piece, reinterpret_cast<const char*>(&packed) + o, 16);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(reinterpret_cast<char*>(p) + o), piece);
+    std::memcpy(&piece, &packed, 16);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), piece);
   }
 #else
   St(tag, p, v);

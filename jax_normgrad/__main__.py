@@ -65,7 +65,7 @@ def _checks():
   def vdot(y, ct):
     return jnp.vdot(y.astype(jnp.float32), ct.astype(jnp.float32))
 
-  for dtype in (jnp.float32, jnp.bfloat16):
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
     x = jax.random.normal(key[0], (37, 300)).astype(dtype)
     dy = jax.random.normal(key[1], (37, 300)).astype(dtype)
     w = (1 + jax.random.normal(key[2], (300,))).astype(dtype)
@@ -118,6 +118,7 @@ def _workloads(quick: bool):
   return [
       lambda: _bench.layer_norm_workload(8192, 1024, jnp.float32),
       lambda: _bench.layer_norm_workload(8192, 1024, jnp.bfloat16),
+      lambda: _bench.layer_norm_workload(8192, 1024, jnp.float16),
       lambda: _bench.layer_norm_workload(64, 65536, jnp.float32),
       lambda: _bench.rms_norm_workload(8192, 1024, jnp.float32),
       lambda: _bench.group_norm_workload(4, 512, 64, 64, 32, jnp.float32),

@@ -200,3 +200,36 @@ def test_generic_isa_build_is_correct_too():
        "-k", "(Default and (backward or forward) and not long_row) or stream"],
       env=env, capture_output=True, text=True)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_generic_isa_float16_conversions_match_f16c():
+  """The SSE2 build's float16 conversions (integer vector code, no F16C) equal F16C's, bit for bit.
+
+  Compiles tests/csrc/f16_conversions.cc against csrc/ with the baseline ISA
+  and runs it: every float16 widened, and float32 values on both sides of
+  every rounding tie narrowed, against the F16C instructions.
+  """
+  import os
+  import platform
+  import shutil
+  import subprocess
+  import tempfile
+  cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+  if cxx is None:
+    pytest.skip("no C++ compiler")
+  try:
+    with open("/proc/cpuinfo") as f:
+      has_f16c = " f16c" in f.read()
+  except OSError:
+    has_f16c = False
+  if platform.machine() not in ("x86_64", "AMD64") or not has_f16c:
+    pytest.skip("needs an x86 CPU with F16C to compare with")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with tempfile.TemporaryDirectory() as tmp:
+    exe = os.path.join(tmp, "f16_conversions")
+    subprocess.run([cxx, "-std=gnu++17", "-O2", "-Wno-psabi", "-DJNG_ISA=generic",
+                    "-isystem", jax.ffi.include_dir(), "-I", os.path.join(root, "csrc"),
+                    os.path.join(root, "tests", "csrc", "f16_conversions.cc"), "-o", exe],
+                   check=True, capture_output=True)
+    result = subprocess.run([exe], capture_output=True, text=True)
+  assert result.returncode == 0, result.stdout
