@@ -34,13 +34,7 @@ struct ScalarTag {};
 
 inline VF Splat(float s) { return VF{} + s; }
 
-// float16 <-> float32 by integer vector operations, for x86 without F16C:
-// GCC converts _Float16 vectors there one element at a time through libgcc
-// (~100 cycles each). Same results as the F16C instructions (and libgcc):
-// exact widening, round to nearest even, NaN kept with its sign and top
-// payload bits and made quiet. After F. Giesen's half_to_float /
-// float_to_half_fast3_rtne, with every branch computed and selected.
-#if defined(__SSE2__) && !defined(__F16C__)
+// The same 32 bytes as the other type (float32 values <-> their bits).
 inline VF AsFloat(VU32 u) {
   VF f;
   std::memcpy(&f, &u, sizeof(f));
@@ -51,6 +45,22 @@ inline VU32 AsBits(VF f) {
   std::memcpy(&u, &f, sizeof(u));
   return u;
 }
+
+// Without AVX: the low and high 16-byte halves of v, by shuffles, in
+// registers. There the 32 bytes are two SSE registers, and a memcpy from the
+// vector's address (as stores did) goes through a stack copy and back.
+#if defined(__SSE2__) && !defined(__AVX__)
+inline __m128 LowHalf(VF v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3); }
+inline __m128 HighHalf(VF v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7); }
+#endif
+
+// float16 <-> float32 by integer vector operations, for x86 without F16C:
+// GCC converts _Float16 vectors there one element at a time through libgcc
+// (~100 cycles each). Same results as the F16C instructions (and libgcc):
+// exact widening, round to nearest even, NaN kept with its sign and top
+// payload bits and made quiet. After F. Giesen's half_to_float /
+// float_to_half_fast3_rtne, with every branch computed and selected.
+#if defined(__SSE2__) && !defined(__F16C__)
 inline VF HalfBitsToFloat(VU32 h) {
   constexpr uint32_t kExp = 0x7c00u << 13;        // float16's exponent field, shifted
   VU32 o = ((h & 0x7fffu) << 13) + ((127u - 15u) << 23);  // rebias the exponent
@@ -98,10 +108,7 @@ inline VF Ld(VecTagL<L>, const BF16* p) {
 #else
   VU16 h;
   std::memcpy(&h, p, sizeof(h));
-  VU32 u = __builtin_convertvector(h, VU32) << 16;
-  VF v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
+  return AsFloat(__builtin_convertvector(h, VU32) << 16);
 #endif
 }
 template <int L>
@@ -143,8 +150,7 @@ inline VU16 Pack(const BF16*, VF v) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
   return (VU16)_mm256_castsi256_si128(packed);
 #else
-  VU32 u;
-  std::memcpy(&u, &v, sizeof(u));
+  const VU32 u = AsBits(v);
   // Round to nearest even; NaN stays a quiet NaN (as FromFloat<BF16>).
   VI32 is_nan = (u & 0x7fffffffu) > 0x7f800000u;
   VU32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
@@ -173,11 +179,10 @@ inline void St(VecTagL<L>, T* p, VF v) {
   const auto packed = Pack(p, v);
 #if defined(__SSE2__) && !defined(__AVX__)
   if constexpr (sizeof(packed) == 32) {
-    // Two 16-byte halves by shuffles, in registers: GCC lowers a memcpy of
-    // a 32-byte vector without AVX (two registers) through a stack copy and
-    // back, on every store.
-    _mm_storeu_ps(reinterpret_cast<float*>(p), __builtin_shufflevector(packed, packed, 0, 1, 2, 3));
-    _mm_storeu_ps(reinterpret_cast<float*>(p) + 4, __builtin_shufflevector(packed, packed, 4, 5, 6, 7));
+    // By halves (see LowHalf): a memcpy of the whole vector went through
+    // the stack on every store.
+    _mm_storeu_ps(reinterpret_cast<float*>(p), LowHalf(packed));
+    _mm_storeu_ps(reinterpret_cast<float*>(p) + 4, HighHalf(packed));
     return;
   }
 #endif
@@ -203,10 +208,8 @@ inline void StStream([[maybe_unused]] VecTagL<L> tag, T* p, VF v) {
 #if defined(__AVX__)
     _mm256_stream_ps(reinterpret_cast<float*>(p), (__m256)packed);
 #else
-    // The halves by shuffles, in registers (a memcpy from the vector's
-    // address went through the stack).
-    _mm_stream_ps(reinterpret_cast<float*>(p), __builtin_shufflevector(packed, packed, 0, 1, 2, 3));
-    _mm_stream_ps(reinterpret_cast<float*>(p) + 4, __builtin_shufflevector(packed, packed, 4, 5, 6, 7));
+    _mm_stream_ps(reinterpret_cast<float*>(p), LowHalf(packed));
+    _mm_stream_ps(reinterpret_cast<float*>(p) + 4, HighHalf(packed));
 #endif
   } else {
     __m128i piece;
