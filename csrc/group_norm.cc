@@ -140,8 +140,10 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
   const int64_t D = s.D(), blocks = s.N * s.G;
   const float inv_d = 1.0f / static_cast<float>(D);
   const int64_t tasks = NumTasks(blocks, CeilDiv(kMinElementsPerTask, D), kMaxTasks);
+  const bool prefetch_blocks = PrefetchNextBlock<T>(D);
   ParallelFor(pool, tasks, [&](int64_t t) {
-    for (int64_t bi = BlockBegin(blocks, tasks, t); bi < BlockBegin(blocks, tasks, t + 1); ++bi) {
+    const int64_t block_end = BlockBegin(blocks, tasks, t + 1);
+    for (int64_t bi = BlockBegin(blocks, tasks, t); bi < block_end; ++bi) {
       const int64_t n = bi / s.G, g = bi % s.G;
       const int64_t off = (n * s.C + g * s.Cg) * s.HW;
       const T* xb = x + off;
@@ -160,6 +162,8 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
       if (!y) continue;
       const float* wn = s.ParamRow(w, n);
       const float* bn = s.ParamRow(b, n);
+      // The next block (contiguous after this one) while this one is read from cache.
+      const bool prefetch = prefetch_blocks && bi + 1 < block_end;
       for (int64_t ci = 0; ci < s.Cg; ++ci) {
         const int64_t c = g * s.Cg + ci;
         const float a = rs * (wn ? wn[c] : 1.f), bb = bn ? bn[c] : 0.f;
@@ -167,6 +171,7 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
         Ty* yc = y + off + ci * s.HW;
         const bool stream = StreamRow(stream_y, yc);
         ForRow(s.HW, [&](auto tag, int64_t j) {
+          if (prefetch) PrefetchLine(tag, xc + D + j);
           StOut(tag, yc + j, (Ld(tag, xc + j) - mu) * a + bb, stream);
         });
       }

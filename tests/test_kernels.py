@@ -202,6 +202,42 @@ def test_generic_isa_build_is_correct_too():
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+def _cpu_flags() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      return f.read()
+  except OSError:
+    return ""
+
+
+def _run_csrc_check(name: str, isa_flags: list[str]) -> None:
+  """Compiles tests/csrc/<name>.cc against csrc/ with ``isa_flags`` and runs it; it exits 0 when all match."""
+  import os
+  import shutil
+  import subprocess
+  import tempfile
+  cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+  if cxx is None:
+    pytest.skip("no C++ compiler")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with tempfile.TemporaryDirectory() as tmp:
+    exe = os.path.join(tmp, name)
+    subprocess.run([cxx, "-std=gnu++17", "-O2", "-Wno-psabi", *isa_flags,
+                    "-isystem", jax.ffi.include_dir(), "-I", os.path.join(root, "csrc"),
+                    os.path.join(root, "tests", "csrc", name + ".cc"), "-o", exe],
+                   check=True, capture_output=True)
+    result = subprocess.run([exe], capture_output=True, text=True)
+  assert result.returncode == 0, result.stdout
+
+
+# The two kernel builds (CMakeLists.txt's jng_kernel_variant), with the CPU
+# flags each needs to run here.
+_ISA_BUILDS = {
+    "generic": (["-DJNG_ISA=generic"], []),
+    "avx2": (["-DJNG_ISA=avx2", "-mavx2", "-mfma", "-mf16c"], [" avx2", " fma", " f16c"]),
+}
+
+
 def test_generic_isa_float16_conversions_match_f16c():
   """The SSE2 build's float16 conversions (integer vector code, no F16C) equal F16C's, bit for bit.
 
@@ -209,27 +245,23 @@ def test_generic_isa_float16_conversions_match_f16c():
   and runs it: every float16 widened, and float32 values on both sides of
   every rounding tie narrowed, against the F16C instructions.
   """
-  import os
   import platform
-  import shutil
-  import subprocess
-  import tempfile
-  cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-  if cxx is None:
-    pytest.skip("no C++ compiler")
-  try:
-    with open("/proc/cpuinfo") as f:
-      has_f16c = " f16c" in f.read()
-  except OSError:
-    has_f16c = False
-  if platform.machine() not in ("x86_64", "AMD64") or not has_f16c:
+  if platform.machine() not in ("x86_64", "AMD64") or " f16c" not in _cpu_flags():
     pytest.skip("needs an x86 CPU with F16C to compare with")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  with tempfile.TemporaryDirectory() as tmp:
-    exe = os.path.join(tmp, "f16_conversions")
-    subprocess.run([cxx, "-std=gnu++17", "-O2", "-Wno-psabi", "-DJNG_ISA=generic",
-                    "-isystem", jax.ffi.include_dir(), "-I", os.path.join(root, "csrc"),
-                    os.path.join(root, "tests", "csrc", "f16_conversions.cc"), "-o", exe],
-                   check=True, capture_output=True)
-    result = subprocess.run([exe], capture_output=True, text=True)
-  assert result.returncode == 0, result.stdout
+  _run_csrc_check("f16_conversions", _ISA_BUILDS["generic"][0])
+
+
+@pytest.mark.parametrize("isa", sorted(_ISA_BUILDS))
+def test_bfloat16_vector_conversions_match_scalar(isa):
+  """Each build's bfloat16 vector load and rounding store equal the scalar conversions, bit for bit.
+
+  Compiles tests/csrc/bf16_conversions.cc for the build and runs it: every
+  bfloat16 widened, and every float32 high part with low parts around the
+  ties (and every NaN, whose payload the rounding must not carry into the
+  sign) narrowed, against common.h's ToFloat / FromFloat<BF16>.
+  """
+  import platform
+  flags, needs = _ISA_BUILDS[isa]
+  if platform.machine() not in ("x86_64", "AMD64") or not all(n in _cpu_flags() for n in needs):
+    pytest.skip(f"the {isa} build needs an x86 CPU with {needs}")
+  _run_csrc_check("bf16_conversions", flags)
