@@ -9,7 +9,9 @@ Run from the repository root after `pip install .`:
         python benchmarks/bench_cpu.py               # without fresh-mmap page faults
 
 Every figure is a median after warm-up (block_until_ready), all variants of a
-row measured in the same process one after another. The floor of a backward
+row measured in the same process in interleaved rounds (--rounds; each round
+times every column in turn, so a slow spell of the shared machine is spread
+over the columns instead of landing on one). The floor of a backward
 is the bytes it must move (read x and dy, write dx) over the memory bandwidth
 measured in the same run (a STREAM-like triad in NumPy). Writes a JSON file
 and, with matplotlib, a PNG of throughput against hidden size.
@@ -77,8 +79,13 @@ def triad_bandwidth_gbs(n: int = 1 << 24, iters: int = 10) -> tuple[float, str]:
   return 3 * n * 4 / float(np.median(times)) / 1e9, method
 
 
-def torch_times(kind, shape, dtype, iters):
-  """PyTorch native kernels: backward alone and forward, in ms (None when not installed)."""
+def torch_calls(kind, shape, dtype):
+  """PyTorch native kernels: ``{"bwd": f, "fwd": f}``, each f running once and returning its ms (None when not installed).
+
+  bwd: ``torch.autograd.grad`` through the layer, the backward alone timed
+  (the forward that builds the graph runs first, untimed); fwd: the layer
+  under ``no_grad``.
+  """
   try:
     import torch
   except ImportError:
@@ -104,18 +111,15 @@ def torch_times(kind, shape, dtype, iters):
     y = fwd()
     t0 = time.perf_counter()
     torch.autograd.grad(y, (x, w, b), dy)
-    return time.perf_counter() - t0
+    return 1e3 * (time.perf_counter() - t0)
 
   def fwd_once():
     with torch.no_grad():
       t0 = time.perf_counter()
       fwd()
-      return time.perf_counter() - t0
+      return 1e3 * (time.perf_counter() - t0)
 
-  for _ in range(3):
-    bwd_once(), fwd_once()
-  return {"bwd_ms": 1e3 * float(np.median([bwd_once() for _ in range(iters)])),
-          "fwd_ms": 1e3 * float(np.median([fwd_once() for _ in range(iters)]))}
+  return {"bwd": bwd_once, "fwd": fwd_once}
 
 
 def flax_grad_times(kind, shape, dtype, iters, layer_dtype=None, with_value=False):
@@ -152,21 +156,53 @@ def flax_grad_times(kind, shape, dtype, iters, layer_dtype=None, with_value=Fals
   return out
 
 
-def measure(kind, shape, dtype, bandwidth, iters):
+def measure(kind, shape, dtype, bandwidth, iters, rounds=3):
+  """One row: every column's median over ``rounds`` interleaved rounds.
+
+  Each round times, one after another, ours, XLA's and PyTorch's backward,
+  then the three forwards, then ``jax.grad`` of ours and of XLA's, each
+  ``iters / rounds`` calls (warm-up calls in the first round only). The
+  column's figure is the median of all its calls: a slow spell of the
+  shared machine lands in every column's samples rather than in one
+  column's. ``<variant>_vs_xla_rounds`` / ``bwd_vs_torch_rounds`` give
+  each round's own ratio of medians, for the spread.
+  """
   wl = (_bench.layer_norm_workload(*shape, dtype) if kind == "ln"
         else _bench.group_norm_workload(*shape, dtype))
-  row = {"workload": wl.name, "kind": kind, "shape": list(shape), "dtype": jnp.dtype(dtype).name}
+  row = {"workload": wl.name, "kind": kind, "shape": list(shape), "dtype": jnp.dtype(dtype).name,
+         "rounds": rounds}
+  tc = torch_calls(kind, shape, dtype)
+  per_round = max(1, -(-iters // rounds))
+  samples = {}  # (variant, who) -> [ms per call], in rounds
+  round_medians = {}
+  for r in range(rounds):
+    warmup = 3 if r == 0 else 0
+    for variant in ("bwd", "fwd", "grad"):
+      for who in ("ours", "xla", "torch"):
+        if who == "torch":
+          if tc is None or variant == "grad":
+            continue
+          for _ in range(warmup):
+            tc[variant]()
+          times = [tc[variant]() for _ in range(per_round)]
+        else:
+          fn, args = getattr(wl, f"{who}_{variant}")
+          times = _bench.call_times_ms(fn, *args, warmup=warmup, iters=per_round)
+        samples.setdefault((variant, who), []).extend(times)
+        round_medians.setdefault((variant, who), []).append(float(np.median(times)))
+  for (variant, who), times in samples.items():
+    row[f"{variant}_{who}_ms"] = float(np.median(times))
   for variant in ("bwd", "fwd", "grad"):
-    for who in ("ours", "xla"):
-      row[f"{variant}_{who}_ms"] = _bench.time_variant(getattr(wl, f"{who}_{variant}"), iters=iters)
-  t = torch_times(kind, shape, dtype, iters)
-  if t:
-    row["bwd_torch_ms"], row["fwd_torch_ms"] = t["bwd_ms"], t["fwd_ms"]
+    row[f"{variant}_vs_xla_rounds"] = [
+        x / o for x, o in zip(round_medians[(variant, "xla")], round_medians[(variant, "ours")])]
+  if tc is not None:
+    row["bwd_vs_torch_rounds"] = [
+        t / o for t, o in zip(round_medians[("bwd", "torch")], round_medians[("bwd", "ours")])]
   row["bwd_floor_ms"] = wl.nbytes_bwd / (bandwidth * 1e9) * 1e3
   row["bwd_ours_gbs"] = wl.nbytes_bwd / (row["bwd_ours_ms"] * 1e-3) / 1e9
   row["bwd_vs_xla"] = row["bwd_xla_ms"] / row["bwd_ours_ms"]
   row["bwd_vs_floor"] = row["bwd_ours_ms"] / row["bwd_floor_ms"]
-  if t:
+  if tc is not None:
     row["bwd_vs_torch"] = row["bwd_torch_ms"] / row["bwd_ours_ms"]
   row["grad_vs_xla"] = row["grad_xla_ms"] / row["grad_ours_ms"]
   fl = flax_grad_times(kind, shape, dtype, iters)
@@ -198,7 +234,11 @@ def print_table(rows):
           + (f" | value_and_grad: {r['flax_vg_ours_ms']:.2f} {r['flax_vg_flax_ms']:.2f}"
              if "flax_vg_ours_ms" in r else "")
           + (f" | layer dtype={r['dtype']}: {r['flax16_grad_ours_ms']:.2f} {r['flax16_grad_flax_ms']:.2f}"
-             if "flax16_grad_ours_ms" in r else ""),
+             if "flax16_grad_ours_ms" in r else "")
+          + (" | bwd by round: xXLA " + " ".join(f"{v:.1f}" for v in r["bwd_vs_xla_rounds"])
+             if "bwd_vs_xla_rounds" in r else "")
+          + (", xtorch " + " ".join(f"{v:.2f}" for v in r["bwd_vs_torch_rounds"])
+             if "bwd_vs_torch_rounds" in r else ""),
           flush=True)
 
 
@@ -236,7 +276,9 @@ def plot(rows, path):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="the issue's rows and the 16-bit rows, no sweep")
-  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--iters", type=int, default=20, help="timed calls per column (split over the rounds)")
+  parser.add_argument("--rounds", type=int, default=3,
+                      help="interleaved rounds per row: each round times every column in turn")
   parser.add_argument("--out", default="benchmarks/results/cpu.json")
   parser.add_argument("--plot", default="benchmarks/results/cpu_ln_sweep.png")
   parser.add_argument("--sweep-dtypes", default="float32",
@@ -261,14 +303,14 @@ def main(argv=None):
   print(f"memory bandwidth ({method}): {bandwidth:.1f} GB/s")
   rows = []
   for kind, shape, dtype in ISSUE_ROWS + DTYPE_ROWS:
-    rows.append(measure(kind, shape, dtype, bandwidth, args.iters))
+    rows.append(measure(kind, shape, dtype, bandwidth, args.iters, args.rounds))
     print_table(rows[-1:])
   if not args.quick:
     for name in args.sweep_dtypes.split(","):
       dtype = jnp.dtype(name)
       print(f"\nsweep, {dtype.name} LayerNorm, rows x hidden = 2^23:")
       for hidden in SWEEP_HIDDEN:
-        r = measure("ln", (SWEEP_ELEMENTS // hidden, hidden), dtype, bandwidth, args.iters)
+        r = measure("ln", (SWEEP_ELEMENTS // hidden, hidden), dtype, bandwidth, args.iters, args.rounds)
         r["sweep"], r["nbytes"] = True, 3 * SWEEP_ELEMENTS * dtype.itemsize
         rows.append(r)
         print_table([r])

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moments.h"
 #include "simd.h"
 
 namespace jax_normgrad {
@@ -147,16 +148,13 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
       const int64_t n = bi / s.G, g = bi % s.G;
       const int64_t off = (n * s.C + g * s.Cg) * s.HW;
       const T* xb = x + off;
-      Acc sx;
-      ForRow(D, [&](auto tag, int64_t j) { sx.Add(tag, Ld(tag, xb + j)); });
-      const float mu = sx.Sum() * inv_d;
-      // Two-pass variance (the block is in cache): no E[x^2] - E[x]^2 cancellation.
-      Acc sq;
-      ForRow(D, [&](auto tag, int64_t j) {
-        auto d = Ld(tag, xb + j) - mu;
-        sq.Add(tag, d * d);
-      });
-      const float rs = 1.0f / std::sqrt(sq.Sum() * inv_d + eps);
+      // Two-pass variance (no E[x^2] - E[x]^2 cancellation), the second pass
+      // from cache. By L1-sized chunks (ChunkedMoments, as LayerNorm's long
+      // rows) measured no faster: float32 4x512x64x64 g32 3.01 -> 3.00 ms,
+      // bfloat16 (with the prefetch) 1.99 -> 2.09.
+      float mu, m2;
+      TwoPassMoments(xb, D, true, &mu, &m2);
+      const float rs = 1.0f / std::sqrt(m2 * inv_d + eps);
       mean[bi] = mu;
       rstd[bi] = rs;
       if (!y) continue;
@@ -313,18 +311,10 @@ void ChunkMoments(const T* x, int64_t C, int64_t hb, int64_t he, Moments* out) {
 void GroupMoments(const GnShape& s, const Moments& m, int64_t n, float eps, float* mean,
                   float* rstd) {
   for (int64_t g = 0; g < s.G; ++g) {
-    float gm = 0.f, gq = 0.f;
-    int64_t cnt = 0;
-    for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
-      const int64_t nn = cnt + m.count;
-      const float fb = static_cast<float>(m.count) / static_cast<float>(nn);
-      const float delta = m.mean[c] - gm;
-      gm += delta * fb;
-      gq += m.m2[c] + delta * delta * static_cast<float>(cnt) * fb;
-      cnt = nn;
-    }
-    mean[n * s.G + g] = gm;
-    rstd[n * s.G + g] = 1.0f / std::sqrt(gq / static_cast<float>(s.D()) + eps);
+    RunningMoments gm;
+    for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) gm.Merge(m.count, m.mean[c], m.m2[c]);
+    mean[n * s.G + g] = gm.mean;
+    rstd[n * s.G + g] = 1.0f / std::sqrt(gm.m2 / static_cast<float>(s.D()) + eps);
   }
 }
 

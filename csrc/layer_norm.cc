@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moments.h"
 #include "simd.h"
 
 namespace jax_normgrad {
@@ -58,22 +59,20 @@ void LayerNormFwdRows(const T* x, const float* w, const float* b, Ty* y, T* xhat
                       int64_t row_end, int64_t H, float eps, bool centered, bool stream_y) {
   const float inv_h = 1.0f / static_cast<float>(H);
   const bool prefetch_rows = PrefetchNextRow<T>(H);
+  const bool chunked_moments = H * static_cast<int64_t>(sizeof(T)) > kChunkedMomentsMinBytes;
   for (int64_t i = row_begin; i < row_end; ++i) {
     const T* xr = x + i * H;
-    float mu = 0.f;
-    if (centered) {
-      Acc s;
-      ForRow(H, [&](auto tag, int64_t j) { s.Add(tag, Ld(tag, xr + j)); });
-      mu = s.Sum() * inv_h;
+    // Two-pass variance (no E[x^2] - E[x]^2 cancellation): over the row where
+    // it stays in cache, else by chunks that do.
+    float mu, m2;
+    if (chunked_moments) {
+      const RunningMoments m = ChunkedMoments(xr, H, centered);
+      mu = m.mean;
+      m2 = m.m2;
+    } else {
+      TwoPassMoments(xr, H, centered, &mu, &m2);
     }
-    // Two-pass variance: the row is in cache, and it avoids the cancellation
-    // of E[x^2] - E[x]^2.
-    Acc q;
-    ForRow(H, [&](auto tag, int64_t j) {
-      auto d = Ld(tag, xr + j) - mu;
-      q.Add(tag, d * d);
-    });
-    const float rs = 1.0f / std::sqrt(q.Sum() * inv_h + eps);
+    const float rs = 1.0f / std::sqrt(m2 * inv_h + eps);
     if (mean_out) mean_out[i] = mu;
     rstd_out[i] = rs;
     FwdOutput(xr, w, b, y + i * H, xhat_out ? xhat_out + i * H : nullptr, H, mu, rs,
@@ -120,36 +119,15 @@ void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const float* w, cons
   std::vector<float> cm(static_cast<size_t>(units)), cq(static_cast<size_t>(units));
   ParallelFor(pool, units, [&](int64_t u) {
     const int64_t i = row_begin + u / cc.count, c = u % cc.count, n = cc.size(c);
-    const T* xr = x + i * H + cc.begin(c);
-    float m = 0.f;
-    if (centered) {
-      Acc s;
-      ForRow(n, [&](auto tag, int64_t j) { s.Add(tag, Ld(tag, xr + j)); });
-      m = s.Sum() / static_cast<float>(n);
-    }
-    Acc q;
-    ForRow(n, [&](auto tag, int64_t j) {
-      auto d = Ld(tag, xr + j) - m;
-      q.Add(tag, d * d);
-    });
-    cm[u] = m;
-    cq[u] = q.Sum();
+    TwoPassMoments(x + i * H + cc.begin(c), n, centered, &cm[u], &cq[u]);
   });
   std::vector<float> mu(static_cast<size_t>(rows)), rs(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
-    float mean = 0.f, m2 = 0.f;
-    int64_t count = 0;
-    for (int64_t c = 0; c < cc.count; ++c) {
-      const int64_t u = r * cc.count + c, n = cc.size(c), total = count + n;
-      const float fb = static_cast<float>(n) / static_cast<float>(total);
-      const float delta = cm[u] - mean;
-      mean += delta * fb;
-      m2 += cq[u] + delta * delta * static_cast<float>(count) * fb;
-      count = total;
-    }
-    mu[r] = mean;
-    rs[r] = 1.0f / std::sqrt(m2 / static_cast<float>(H) + eps);
-    if (mean_out) mean_out[row_begin + r] = mean;
+    RunningMoments m;
+    for (int64_t c = 0; c < cc.count; ++c) m.Merge(cc.size(c), cm[r * cc.count + c], cq[r * cc.count + c]);
+    mu[r] = m.mean;
+    rs[r] = 1.0f / std::sqrt(m.m2 / static_cast<float>(H) + eps);
+    if (mean_out) mean_out[row_begin + r] = m.mean;
     rstd_out[row_begin + r] = rs[r];
   }
   ParallelFor(pool, units, [&](int64_t u) {

@@ -18,8 +18,9 @@ import numpy as np
 import jax_normgrad as jn
 
 
-def median_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15, min_time_s: float = 0.0) -> float:
-  """Median wall time of ``fn(*args)`` in milliseconds, after warm-up, blocking on the result."""
+def call_times_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15,
+                  min_time_s: float = 0.0) -> list[float]:
+  """Wall times of ``iters`` calls ``fn(*args)`` (and more until ``min_time_s``), ms, after warm-up, blocking on each result."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
@@ -27,8 +28,13 @@ def median_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15, min_time_s:
   while len(times) < iters or time.perf_counter() - start < min_time_s:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times)
+    times.append(1e3 * (time.perf_counter() - t0))
+  return times
+
+
+def median_ms(fn: Callable, *args, **kw) -> float:
+  """Median wall time of ``fn(*args)`` in milliseconds (see :func:`call_times_ms` for ``kw``)."""
+  return statistics.median(call_times_ms(fn, *args, **kw))
 
 
 def time_variant(variant, **kw) -> float:

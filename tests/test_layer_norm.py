@@ -24,6 +24,21 @@ def _inputs(rng, shape, norm_shape, dtype, weight_dtype=None, with_bias=True):
   return x, dy, w, b
 
 
+
+def _check_forward_rows(x, w, b):
+  """LayerNorm's and RMSNorm's forward over x's last axis against the float64 reference."""
+  h, dtype = x.shape[-1], x.dtype
+  y, mean, rstd = jn.layer_norm_fwd(x, (h,), w, b)
+  y_ref, mean_ref, rstd_ref = ref.ln_fwd(x, 1, w, b, 1e-5)
+  y_scale, mean_scale, rstd_scale = ref.fwd_scales(x, rstd_ref, w)
+  assert_close(y, y_ref, dtype, h, "y", scale=y_scale)
+  assert_close(mean, mean_ref, jnp.float32, h, "mean", scale=mean_scale)
+  assert_close(rstd, rstd_ref, jnp.float32, h, "rstd", scale=rstd_scale)
+  y, rs = jn.rms_norm_fwd(x, (h,), w)
+  y_ref, rs_ref = ref.rms_fwd(x, 1, w)
+  assert_close(y, y_ref, dtype, h, "rms y")
+  assert_close(rs, rs_ref, jnp.float32, h, "rms rstd")
+
 class LayerNormOpTests:
   """The LayerNorm op suite; subclasses set ``implementation`` and may narrow ``cases``."""
 
@@ -250,22 +265,27 @@ class TestLayerNormDefault(LayerNormOpTests):
         if m:
           assert_close(out, expected, dtype, h if out.shape == x.shape else rows)
 
+  def test_long_rows_forward_by_row_tasks(self, rng):
+    # Rows of over 64 KiB, 4 or more of them: row tasks whose statistics come
+    # from L1-sized chunks merged per row (csrc/moments.h ChunkedMoments),
+    # lengths not a multiple of the chunk, offsets that a naive merge loses,
+    # and a trend along the row, so the chunks' means differ and the merge's
+    # between-chunk term matters.
+    for (shape, dtype), offset in zip((((5, 20_011), jnp.float32), ((4, 40_007), jnp.bfloat16)),
+                                      (1000.0, 30.0)):
+      h = shape[-1]
+      x = random(rng, shape, jnp.float32, scale=2.0, offset=offset)
+      x = (x + jnp.linspace(-6.0, 6.0, h, dtype=jnp.float32)).astype(dtype)
+      w, b = random(rng, (h,), dtype, offset=1.0), random(rng, (h,), dtype)
+      _check_forward_rows(x, w, b)
+
   def test_few_long_rows_forward(self, rng):
     for (shape, dtype), offset in zip(self.FEW_LONG_ROWS, (1000.0, 0.5, 3.0)):
       h = shape[-1]
       # A large offset: the chunk moments must merge without cancellation.
       x = random(rng, shape, dtype, scale=2.0, offset=offset)
       w, b = random(rng, (h,), dtype, offset=1.0), random(rng, (h,), dtype)
-      y, mean, rstd = jn.layer_norm_fwd(x, (h,), w, b)
-      y_ref, mean_ref, rstd_ref = ref.ln_fwd(x, 1, w, b, 1e-5)
-      y_scale, mean_scale, rstd_scale = ref.fwd_scales(x, rstd_ref, w)
-      assert_close(y, y_ref, dtype, h, "y", scale=y_scale)
-      assert_close(mean, mean_ref, jnp.float32, h, "mean", scale=mean_scale)
-      assert_close(rstd, rstd_ref, jnp.float32, h, "rstd", scale=rstd_scale)
-      y, rs = jn.rms_norm_fwd(x, (h,), w)
-      y_ref, rs_ref = ref.rms_fwd(x, 1, w)
-      assert_close(y, y_ref, dtype, h, "rms y")
-      assert_close(rs, rs_ref, jnp.float32, h, "rms rstd")
+      _check_forward_rows(x, w, b)
       # save="normalized": the forward also writes xhat.
       g = jax.grad(lambda x, w, b: jnp.vdot(jn.layer_norm(x, w, b, save="normalized")
                                             .astype(jnp.float32), jnp.ones(shape)), (0, 1, 2))

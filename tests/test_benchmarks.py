@@ -1,0 +1,34 @@
+"""Smoke test of benchmarks/bench_cpu.py's row measurement on tiny shapes (no timing asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import jax.numpy as jnp
+import pytest
+
+_SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench_cpu():
+  spec = importlib.util.spec_from_file_location("bench_cpu", _SCRIPT)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+@pytest.mark.parametrize("kind,shape,dtype", [("ln", (24, 40), jnp.float32),
+                                              ("gn", (2, 6, 3, 5, 3), jnp.bfloat16)])
+def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype):
+  row = bench_cpu.measure(kind, shape, dtype, bandwidth=20.0, iters=4, rounds=2)
+  assert row["rounds"] == 2
+  for variant in ("bwd", "fwd", "grad"):
+    for who in ("ours", "xla"):
+      assert row[f"{variant}_{who}_ms"] > 0
+    assert len(row[f"{variant}_vs_xla_rounds"]) == 2
+  assert row["bwd_vs_xla"] == pytest.approx(row["bwd_xla_ms"] / row["bwd_ours_ms"])
+  if "bwd_torch_ms" in row:  # PyTorch is optional
+    assert len(row["bwd_vs_torch_rounds"]) == 2
+  bench_cpu.print_table([row])
