@@ -47,13 +47,6 @@ void TwoPassMoments(const T* x, int64_t n, bool centered, float* mean, float* m2
   *m2 = q.Sum();
 }
 
-// LayerNorm rows of more bytes than this take their moments by L1-sized
-// chunks (ChunkedMoments) instead of two passes over the whole row: the
-// limit of the next-row prefetch (PrefetchNextRow), past which a row's
-// second pass reads it from L2, L3 or memory. Subprocess A/B of the forward
-// (best of three 15-call medians, 4 alternating rounds): 8x2^20 float32
-// 4.51 -> 3.91 ms, bfloat16 4.65 -> 3.84, 64x2^17 float32 3.69 -> 3.40.
-constexpr int64_t kChunkedMomentsMinBytes = int64_t{64} << 10;
 constexpr int64_t kMomentsChunk = 2048;
 
 // Mean and M2 of x[0, n): TwoPassMoments of each kMomentsChunk values (the
