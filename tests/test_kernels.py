@@ -202,12 +202,17 @@ def test_generic_isa_build_is_correct_too():
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def _cpu_flags() -> str:
+def _cpu_has(*flags: str) -> bool:
+  """Whether this is an x86 CPU whose /proc/cpuinfo lists every one of ``flags`` (e.g. "f16c")."""
+  import platform
+  if platform.machine() not in ("x86_64", "AMD64"):
+    return False
   try:
     with open("/proc/cpuinfo") as f:
-      return f.read()
+      info = f.read()
   except OSError:
-    return ""
+    return False
+  return all(f" {flag}" in info for flag in flags)
 
 
 def _run_csrc_check(name: str, isa_flags: list[str]) -> None:
@@ -234,7 +239,7 @@ def _run_csrc_check(name: str, isa_flags: list[str]) -> None:
 # flags each needs to run here.
 _ISA_BUILDS = {
     "generic": (["-DJNG_ISA=generic"], []),
-    "avx2": (["-DJNG_ISA=avx2", "-mavx2", "-mfma", "-mf16c"], [" avx2", " fma", " f16c"]),
+    "avx2": (["-DJNG_ISA=avx2", "-mavx2", "-mfma", "-mf16c"], ["avx2", "fma", "f16c"]),
 }
 
 
@@ -245,8 +250,7 @@ def test_generic_isa_float16_conversions_match_f16c():
   and runs it: every float16 widened, and float32 values on both sides of
   every rounding tie narrowed, against the F16C instructions.
   """
-  import platform
-  if platform.machine() not in ("x86_64", "AMD64") or " f16c" not in _cpu_flags():
+  if not _cpu_has("f16c"):
     pytest.skip("needs an x86 CPU with F16C to compare with")
   _run_csrc_check("f16_conversions", _ISA_BUILDS["generic"][0])
 
@@ -260,8 +264,7 @@ def test_bfloat16_vector_conversions_match_scalar(isa):
   ties (and every NaN, whose payload the rounding must not carry into the
   sign) narrowed, against common.h's ToFloat / FromFloat<BF16>.
   """
-  import platform
   flags, needs = _ISA_BUILDS[isa]
-  if platform.machine() not in ("x86_64", "AMD64") or not all(n in _cpu_flags() for n in needs):
+  if not _cpu_has(*needs):
     pytest.skip(f"the {isa} build needs an x86 CPU with {needs}")
   _run_csrc_check("bf16_conversions", flags)
