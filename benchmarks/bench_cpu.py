@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_normgrad as jn
-from jax_normgrad import _bench
+from jax_normgrad import _bench, _ffi
 
 ISSUE_ROWS = [
     ("ln", (8192, 1024), jnp.float32),
@@ -269,8 +269,28 @@ def plot(rows, path):
     ax.legend()
     ax.grid(alpha=0.3)
   fig.tight_layout()
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=120)
   print(f"wrote {path}")
+
+
+def cpu_model() -> str:
+  """The CPU's model name and its cache sizes, from /proc/cpuinfo and sysfs ("" where absent)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+  except OSError:
+    return ""
+  caches = []
+  for index in sorted(pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+    try:
+      level, kind = (index / "level").read_text().strip(), (index / "type").read_text().strip()
+      size = (index / "size").read_text().strip()
+    except OSError:
+      continue
+    if kind != "Instruction":
+      caches.append(f"L{level} {size}")
+  return f"{name} ({', '.join(caches)})" if caches else name
 
 
 def main(argv=None):
@@ -296,6 +316,8 @@ def main(argv=None):
   except ImportError:
     info["torch"] = None
   info["GLIBC_TUNABLES"] = os.environ.get("GLIBC_TUNABLES", "")
+  info["cpu_kernel_isa"] = _ffi.isa()
+  info["cpu_model"] = cpu_model()
   info["keep_freed_memory"] = kept
   bandwidth, method = triad_bandwidth_gbs()
   info["triad_gbs"], info["triad_method"] = bandwidth, method

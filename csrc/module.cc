@@ -5,10 +5,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include "kernels.h"
 
@@ -23,18 +27,37 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-// "avx2" where the CPU has AVX2, FMA and F16C and the module was built with
-// that variant; "generic" (the baseline ISA) otherwise, or when the
-// environment variable JAX_NORMGRAD_ISA=generic asks for it (tests).
-std::string SelectedIsa() {
+// The kernel builds this module has, best first, each with whether this CPU
+// can run it: "avx512bf16" (AVX2+FMA+F16C with AVX-512 VL/DQ/BF16), "avx2"
+// (AVX2+FMA+F16C), "generic" (the baseline ISA, always).
+std::vector<std::pair<std::string, bool>> IsaBuilds() {
+  std::vector<std::pair<std::string, bool>> builds;
 #ifdef JNG_HAVE_AVX2
-  const char* forced = std::getenv("JAX_NORMGRAD_ISA");
-  if (forced && std::strcmp(forced, "generic") == 0) return "generic";
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return "avx2";
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+#ifdef JNG_HAVE_AVX512BF16
+  builds.emplace_back("avx512bf16", avx2 && __builtin_cpu_supports("avx512f") &&
+                                        __builtin_cpu_supports("avx512vl") &&
+                                        __builtin_cpu_supports("avx512dq") &&
+                                        __builtin_cpu_supports("avx512bf16"));
 #endif
+  builds.emplace_back("avx2", avx2);
+#endif
+  builds.emplace_back("generic", true);
+  return builds;
+}
+
+// The best build the CPU runs, or the one the environment variable
+// JAX_NORMGRAD_ISA names (tests and comparisons) where the CPU runs it; a
+// name it cannot run (or does not know) selects the best, and isa() tells.
+std::string SelectedIsa() {
+  const auto builds = IsaBuilds();
+  if (const char* forced = std::getenv("JAX_NORMGRAD_ISA"))
+    for (const auto& [name, runs] : builds)
+      if (runs && name == forced) return name;
+  for (const auto& [name, runs] : builds)
+    if (runs) return name;
   return "generic";
 }
 
@@ -90,10 +113,18 @@ void DefineIndexHelpers(nb::module_& m) {
 NB_MODULE(_jax_normgrad, m) {
   m.doc() = "XLA FFI CPU kernels of jax_normgrad.";
   m.def("isa", &SelectedIsa, "The instruction set of the kernels registrations() returns.");
+  m.def("isa_builds", &IsaBuilds, "(name, runs on this CPU) of each kernel build, best first.");
   m.def("registrations", []() {
     nb::dict d;
+    const std::string isa = SelectedIsa();
+#ifdef JNG_HAVE_AVX512BF16
+    if (isa == "avx512bf16") {
+      JNG_REGISTRATIONS(d, avx512bf16);
+      return d;
+    }
+#endif
 #ifdef JNG_HAVE_AVX2
-    if (SelectedIsa() == "avx2") {
+    if (isa == "avx2") {
       JNG_REGISTRATIONS(d, avx2);
       return d;
     }

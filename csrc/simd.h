@@ -144,6 +144,18 @@ inline float Ld(ScalarTag, const T* p) {
 // Pack(p, v): v rounded to p's storage type, as the bytes of one vector.
 inline VF Pack(const float*, VF v) { return v; }
 inline VU16 Pack(const BF16*, VF v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+  // One vcvtneps2bf16: round to nearest even, NaN made quiet from its high
+  // word, as FromFloat<BF16>, except that it flushes subnormal inputs to
+  // zero. vfpclassps finds those; a vector with one (never in practice, but
+  // the results must not depend on the build) takes the AVX2 rounding below.
+  // Subprocess A/B against the AVX2 build (Zen 5, 6 alternating rounds, all
+  // six faster unless noted): 8192x1024 backward 1.76 -> 1.60 ms (5 of 6),
+  // forward 1.20 -> 0.96; GroupNorm 4x512x64x64 backward 1.18 -> 1.03,
+  // forward 1.00 -> 0.79; float32 unchanged (0.97-1.04x).
+  if (__builtin_expect(_mm256_fpclass_ps_mask((__m256)v, 0x20 /* subnormal */) == 0, 1))
+    return (VU16)_mm256_cvtneps_pbh((__m256)v);
+#endif
 #if defined(__AVX2__)
   // The rounding below with the result left in each float's high word, so
   // no shift: u + 0x7fff + lsb is u + 0x8000 + (lsb ? 0 : -1), the -1 an

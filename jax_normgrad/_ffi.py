@@ -53,10 +53,14 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-  """The instruction set of the registered CPU kernels ("avx2" or "generic").
+  """The instruction set of the registered CPU kernels: "avx512bf16", "avx2" or "generic".
 
-  ``JAX_NORMGRAD_ISA=generic`` in the environment before import forces the
-  baseline build (for tests and comparisons).
+  The best build the CPU runs is chosen at import: "avx512bf16" (the AVX2
+  kernels with AVX-512 BF16's bfloat16 rounding instruction), "avx2"
+  (AVX2+FMA+F16C), "generic" (the baseline ISA). ``JAX_NORMGRAD_ISA=avx2``
+  or ``=generic`` in the environment before import selects that build
+  instead (for tests and comparisons) where the CPU runs it; a name it
+  cannot run is ignored, which this function shows.
   """
   return _ext.isa() if _ext is not None else None
 

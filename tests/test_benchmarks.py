@@ -32,3 +32,19 @@ def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype):
   if "bwd_torch_ms" in row:  # PyTorch is optional
     assert len(row["bwd_vs_torch_rounds"]) == 2
   bench_cpu.print_table([row])
+
+
+def test_plot_writes_into_a_new_folder(bench_cpu, tmp_path):
+  pytest.importorskip("matplotlib")
+  rows = [{"sweep": True, "dtype": "float32", "shape": [2 ** 23 // h, h], "nbytes": 3 * 2 ** 25,
+           "bwd_ours_ms": 3.0, "bwd_xla_ms": 9.0, "bwd_floor_ms": 2.0} for h in (256, 1024)]
+  path = tmp_path / "not" / "yet" / "sweep.png"
+  bench_cpu.plot(rows, str(path))
+  assert path.stat().st_size > 0
+
+
+def test_cpu_model_names_the_caches(bench_cpu):
+  model = bench_cpu.cpu_model()
+  assert isinstance(model, str)
+  if pathlib.Path("/sys/devices/system/cpu/cpu0/cache/index0").exists():
+    assert "L1" in model

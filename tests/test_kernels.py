@@ -184,14 +184,48 @@ def test_ffi_handlers_return_errors(target, out_types, operands, attrs, match):
     jax.block_until_ready(_raw(target, out_types, *operands, **attrs))
 
 
-def test_generic_isa_build_is_correct_too():
-  """The baseline-ISA copy of the kernels (used on CPUs without AVX2) passes the op suites."""
+def _default_isa() -> str:
+  from jax_normgrad import _ffi
+  return _ffi.isa()
+
+
+def _isa_builds() -> dict[str, bool]:
+  """{build name: whether this CPU runs it} of the extension's kernel builds."""
+  from jax_normgrad import _jax_normgrad
+  return dict(_jax_normgrad.isa_builds())
+
+
+def test_isa_selection():
+  """The best build the CPU runs is the default; JAX_NORMGRAD_ISA picks another, or is ignored."""
   import os
   import subprocess
   import sys
-  env = dict(os.environ, JAX_NORMGRAD_ISA="generic")
+  builds = _isa_builds()
+  order = list(builds)  # best first
+  assert order[-1] == "generic" and builds["generic"]
+  assert _default_isa() == next(name for name in order if builds[name])
+  probe = "import jax_normgrad._ffi as f; print(f.isa())"
+  for forced, want in [("generic", "generic"), ("no-such-isa", _default_isa()),
+                       *((name, name if runs else _default_isa()) for name, runs in builds.items())]:
+    got = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, JAX_NORMGRAD_ISA=forced),
+                         check=True, capture_output=True, text=True).stdout.strip()
+    assert got == want, (forced, got, want)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_other_isa_builds_are_correct_too(isa):
+  """Each kernel build the CPU runs besides the default (the baseline ISA on any CPU; the AVX2 one
+  where AVX-512 BF16's build is the default) passes the op suites."""
+  import os
+  import subprocess
+  import sys
+  if not _isa_builds().get(isa):
+    pytest.skip(f"this CPU or build has no {isa} kernels")
+  if isa == _default_isa():
+    pytest.skip(f"{isa} is the default build here, tested by the whole suite")
+  env = dict(os.environ, JAX_NORMGRAD_ISA=isa)
   here = os.path.dirname(__file__)
-  code = ("import jax_normgrad._ffi as f; assert f.isa() == 'generic', f.isa()")
+  code = f"import jax_normgrad._ffi as f; assert f.isa() == {isa!r}, f.isa()"
   subprocess.run([sys.executable, "-c", code], env=env, check=True)
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
@@ -235,11 +269,14 @@ def _run_csrc_check(name: str, isa_flags: list[str]) -> None:
   assert result.returncode == 0, result.stdout
 
 
-# The two kernel builds (CMakeLists.txt's jng_kernel_variant), with the CPU
-# flags each needs to run here.
+# The kernel builds (CMakeLists.txt's jng_kernel_variant), with the CPU
+# flags (/proc/cpuinfo's names) each needs to run here.
 _ISA_BUILDS = {
     "generic": (["-DJNG_ISA=generic"], []),
     "avx2": (["-DJNG_ISA=avx2", "-mavx2", "-mfma", "-mf16c"], ["avx2", "fma", "f16c"]),
+    "avx512bf16": (["-DJNG_ISA=avx512bf16", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl",
+                    "-mavx512dq", "-mavx512bf16"],
+                   ["avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512_bf16"]),
 }
 
 
