@@ -14,6 +14,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -238,6 +239,22 @@ constexpr int64_t kMinElementsPerTask = 1 << 15;
 // complex's share. Only where the stores go changes, never a value.
 constexpr int64_t kStreamMinBytes = int64_t{32} << 20;
 inline bool StreamOutput(int64_t bytes_moved) { return bytes_moved >= kStreamMinBytes; }
+
+// The per-core L2 cache size in bytes (sysconf; 512 KiB where it reports
+// none), for choices that depend on whether a row's working set fits there.
+// Such a choice changes a reduction's order between machines with different
+// L2 sizes (never between runs on one machine).
+inline int64_t L2CacheBytes() {
+  static const int64_t bytes = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+    const long reported = 0;
+#endif
+    return reported > 0 ? static_cast<int64_t>(reported) : int64_t{512} << 10;
+  }();
+  return bytes;
+}
 
 // out[h] = sum over t of partials[t * n + h], t ascending (fixed order).
 inline void SumPartials(ffi::ThreadPool* pool, const float* partials, float* out,

@@ -388,15 +388,19 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   float* db_out = compute_dbias ? dbias->typed_data() : nullptr;
   const int64_t rows_per_group = M / W;
   // Few, long rows: column chunks (which write dweight/dbias without zeroing).
-  // Also long rows whose x and dy fit a large last-level cache: the second
-  // phase's re-read is served by it, and chunk-owned parameter gradients
-  // save the per-task partials (64x65536 float32: 3.3 -> 2.3 ms; at twice
-  // the size the row tasks win again).
+  // Also long rows whose x and dy fit a large last-level cache but a row's
+  // do not fit half the L2 (where the row tasks' fused pass would re-read
+  // the row from L3): the second phase's re-read is served by the L3, and
+  // chunk-owned parameter gradients save the per-task partials. Zen 3 (512
+  // KiB L2), 64x65536 float32: 3.3 -> 2.3 ms. Where the row fits (Zen 5, 1
+  // MiB L2) the row tasks win: subprocess A/B, 6 rounds, 64x65536 float32
+  // 1.93 -> 1.53 ms, 256x32768 bfloat16 3.09 -> 2.07, 128x65536 bfloat16
+  // 3.12 -> 2.71 (5-6 of 6 rounds each).
+  const int64_t xdy_bytes = static_cast<int64_t>(x.size_bytes() + dy.size_bytes());
   const bool column_chunks =
       UseColumnChunks(rows_per_group, H) ||
-      (H >= 2 * kMinColumnsPerChunk && M > 0 &&
-       (static_cast<int64_t>(x.size_bytes()) + static_cast<int64_t>(dy.size_bytes())) / W <=
-           kColumnChunksMaxBytes);
+      (H >= 2 * kMinColumnsPerChunk && M > 0 && 2 * (xdy_bytes / M) > L2CacheBytes() &&
+       xdy_bytes / W <= kColumnChunksMaxBytes);
   // Long rows make the parameter gradients as big as a tensor (see AdviseHugePages).
   AdviseHugePages(dw_out, static_cast<int64_t>(dweight->size_bytes()));
   AdviseHugePages(db_out, static_cast<int64_t>(dbias->size_bytes()));
@@ -436,10 +440,9 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
       AdviseHugePages(dxp, static_cast<int64_t>(dx->size_bytes()));
-      // Not for a 16-bit dx: measured 0.8-0.95x as fast as plain stores
-      // (8192x1024 bfloat16, three interleaved A/B runs).
+      // A 16-bit dx too where kStreamNarrowRows (simd.h) says so.
       const bool stream_dx =
-          compute_dx && sizeof(T) == 4 &&
+          compute_dx && (sizeof(T) == 4 || kStreamNarrowRows) &&
           StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
       T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
       WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {

@@ -255,6 +255,19 @@ template <typename T>
 inline void StStream(ScalarTag tag, T* p, float v) {
   St(tag, p, v);
 }
+// Whether a kernel whose 16-bit output rows could stream (LayerNorm's
+// backward; GroupNorm's kernels stream them in every build) should. The
+// build stands in for the core: AVX-512 BF16 means Zen 4/5 or Sapphire
+// Rapids and later. Zen 5, subprocess A/B of the backward, 6 rounds:
+// 8192x1024 bfloat16 1.69 -> 1.40 ms (6 of 6), float16 1.48 -> 1.35 (5),
+// 256x32768 bfloat16 3.03 -> 2.77 (5), 16384x512 bfloat16 1.51 -> 1.47
+// (3). Zen 3 (the AVX2 build's machines), 8192x1024 bfloat16: 0.8-0.95x
+// as fast as plain stores, in three interleaved runs.
+#if defined(__AVX512BF16__)
+constexpr bool kStreamNarrowRows = true;
+#else
+constexpr bool kStreamNarrowRows = false;
+#endif
 // Whether an output row starting at p is written by StStream: when the
 // kernel streams its output (StreamOutput) and p is aligned to a vector's
 // bytes, as the row loop's vector stores (at multiples of kVec elements from

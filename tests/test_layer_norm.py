@@ -230,9 +230,11 @@ class TestLayerNormDefault(LayerNormOpTests):
 
   # Rows of at least 2 * 16,384 that the CPU kernels split into column chunks
   # (ColumnChunkedBwd, LayerNormFwdChunked): fewer than 4 rows per parameter
-  # group, or (backward only) x and dy within 32 MiB.
+  # group, or (backward only) x and dy within 32 MiB with a row's x and dy
+  # over half the L2 (5 rows of 131,075: over 1 MiB, so on any CPU; 6 of
+  # 40,007 take row tasks where the L2 is over 640 KiB).
   FEW_LONG_ROWS = [((3, 40_007), jnp.float32), ((1, 2, 33_001), jnp.bfloat16),
-                   ((6, 40_007), jnp.float32)]
+                   ((6, 40_007), jnp.float32), ((5, 131_075), jnp.float32)]
 
   def test_long_rows_by_row_tasks(self, rng):
     # x and dy over 32 MiB: long rows go to row tasks with per-task partials.

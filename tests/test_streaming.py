@@ -40,13 +40,17 @@ def _assert_tiles_equal(big, small, reps, name):
   assert not bad, f"{name}: tiles {bad[:5]} (of {reps}) differ from the block's own result"
 
 
-@pytest.mark.parametrize("h", [1024, 1001])
-def test_layer_norm_float32_streams_y_and_dx(h):
+@pytest.mark.parametrize("h,dtype", [(1024, jnp.float32), (1001, jnp.float32),
+                                     (1001, jnp.bfloat16)])
+def test_layer_norm_streams_y_and_dx(h, dtype):
+  # A 16-bit dx streams in the avx512bf16 build only (simd.h:
+  # kStreamNarrowRows); the tiles must equal the block's either way.
   k = 8
-  reps = _reps(k * h, 8)  # the forward moves x and y, the backward x, dy and dx
+  # The forward moves x and y, the backward x, dy and dx.
+  reps = _reps(k * h, 2 * jnp.dtype(dtype).itemsize)
   rng = np.random.default_rng(h)
-  bx = random(rng, (k, h), jnp.float32, scale=2.0, offset=0.5)
-  bdy = random(rng, (k, h), jnp.float32)
+  bx = random(rng, (k, h), dtype, scale=2.0, offset=0.5)
+  bdy = random(rng, (k, h), dtype)
   w = random(rng, (h,), jnp.float32, offset=1.0)
   b = random(rng, (h,), jnp.float32)
 
@@ -61,9 +65,9 @@ def test_layer_norm_float32_streams_y_and_dx(h):
     _assert_tiles_equal(big[i], small[i], reps, name)
   y, mean, rstd, dx, dw, db = small
   y_ref, mean_ref, rstd_ref = ref.ln_fwd(bx, 1, w, b)
-  assert_close(y, y_ref, jnp.float32, h, "y")
+  assert_close(y, y_ref, dtype, h, "y")
   dx_ref, dw_ref, db_ref = ref.ln_bwd(bdy, bx, 1, mean, rstd, w)
-  assert_close(dx, dx_ref, jnp.float32, h, "grad_input", scale=ref.dx_scale(bdy, rstd, w))
+  assert_close(dx, dx_ref, dtype, h, "grad_input", scale=ref.dx_scale(bdy, rstd, w))
   # The parameter gradients sum over every row: reps times the block's.
   assert_close(big[4], reps * dw_ref, jnp.float32, k * reps, "grad_weight")
   assert_close(big[5], reps * db_ref, jnp.float32, k * reps, "grad_bias")
