@@ -298,21 +298,26 @@ inline void PrefetchLine(ScalarTag, const T*) {}
 // large outputs streamed past the cache (StStream): rows of 8192 and 16384
 // elements 1.1-1.3x faster in the backward and the forward. (Before the
 // streaming stores, 64 KiB rows measured 6% slower; 128 KiB rows now
-// measure 0.9-1.3x, mixed.)
+// measure 0.9-1.3x, mixed.) Zen 5 (1 MiB L2), 6 rounds with inputs from
+// memory, 128 KiB rows: backward 128x65536 bfloat16 1.25x, 256x32768
+// float32 0.92x; forward 0.99-1.08x over two runs. Left at 64 KiB.
 template <typename T>
 inline bool PrefetchNextRow(int64_t n) {
   return n * static_cast<int64_t>(sizeof(T)) <= (int64_t{64} << 10);
 }
 // Whether a loop over blocks that reads each block from cache after a first
-// pass from memory (GroupNorm's forward: sum, variance, output) should
-// prefetch the next block during its last pass: blocks of up to 128 KiB, so
-// a block and the next fit in a 512 KiB L2 together. Interleaved A/B of the
-// forward of 4x512x64x64 in 32 groups: bfloat16 (128 KiB blocks) 2.56 ->
-// 2.10 ms, 5 of 6 rounds faster; float32 (256 KiB) 2.88 -> 2.80, 2 of 6,
-// no gain, so left to the hardware prefetcher.
+// pass from memory (GroupNorm's forward: sum, variance, output; y streams
+// past the cache) should prefetch the next block during its last pass:
+// blocks of up to a quarter of the L2, so a block and the next fit in half
+// of it (128 KiB on Zen 3's 512 KiB L2, 256 KiB on Zen 5's 1 MiB). Only
+// where loads are issued changes, never a value. Forward of 4x512x64x64 in
+// 32 groups, interleaved A/B: Zen 3, bfloat16 (128 KiB blocks) 2.56 -> 2.10
+// ms, 5 of 6 rounds faster, float32 (256 KiB) 2.88 -> 2.80, 2 of 6, no
+// gain there; Zen 5, float32 with inputs from memory 1.63 -> 1.59 and 1.83
+// -> 1.70 in two 6-round runs, 5 of 6 rounds faster in each.
 template <typename T>
 inline bool PrefetchNextBlock(int64_t n) {
-  return n * static_cast<int64_t>(sizeof(T)) <= (int64_t{128} << 10);
+  return n * static_cast<int64_t>(sizeof(T)) <= L2CacheBytes() / 4;
 }
 
 // Row loops are unrolled over this many vectors; each gets its own
