@@ -3,7 +3,6 @@
 // the best instruction set this CPU supports.
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
