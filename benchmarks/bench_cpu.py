@@ -11,9 +11,12 @@ Run from the repository root after `pip install .`:
 Every figure is a median after warm-up (block_until_ready), all variants of a
 row measured in the same process in interleaved rounds (--rounds; each round
 times every column in turn, so a slow spell of the shared machine is spread
-over the columns instead of landing on one). The floor of a backward
-is the bytes it must move (read x and dy, write dx) over the memory bandwidth
-measured in the same run (a STREAM-like triad in NumPy). Writes a JSON file
+over the columns instead of landing on one). Before each column's calls the
+run pauses (--settle-ms) and makes one untimed call, so threads another
+runtime left spinning do not take a core from it (see SETTLE_S). The floor
+of a backward is the bytes it must move (read x and dy, write dx) over the
+memory bandwidth measured in the same run (a STREAM-like triad: PyTorch's on
+all its threads where installed, else NumPy's on one). Writes a JSON file
 and, with matplotlib, a PNG of throughput against hidden size.
 """
 
@@ -156,12 +159,29 @@ def flax_grad_times(kind, shape, dtype, iters, layer_dtype=None, with_value=Fals
   return out
 
 
-def measure(kind, shape, dtype, bandwidth, iters, rounds=3):
+# Seconds to pause before each column's calls. PyTorch's OpenMP workers
+# busy-wait for milliseconds after every op (libgomp's spin count) and XLA's
+# pool threads spin too: on a 2-core machine a worker still spinning from the
+# previous column takes a core from the next column's first calls (this
+# package's GroupNorm bfloat16 forward timed right after PyTorch's backward:
+# 4.49 1.02 0.86 0.84 4.22 1.82 2.19 ms; 1.62 1.34 1.38 1.24 1.19 1.26 1.19
+# with OMP_WAIT_POLICY=PASSIVE). After the pause one untimed call wakes the
+# column's own threads, so each column is timed in its own steady state.
+# The forwards, timed right after PyTorch's backward, moved most (Zen 5,
+# PyTorch's forward time over ours, no pause -> 50 ms, two runs): LayerNorm
+# 64x65536 float32 0.79 -> 1.16 and 0.82 -> 1.14, GroupNorm float32 0.89 ->
+# 1.26 and 1.05 -> 1.13, bfloat16 0.86 -> 1.30 and 1.12 -> 1.39; the
+# backwards (after XLA's columns) by no more than the noise.
+SETTLE_S = 0.05
+
+
+def measure(kind, shape, dtype, bandwidth, iters, rounds=3, settle_s=SETTLE_S):
   """One row: every column's median over ``rounds`` interleaved rounds.
 
   Each round times, one after another, ours, XLA's and PyTorch's backward,
   then the three forwards, then ``jax.grad`` of ours and of XLA's, each
-  ``iters / rounds`` calls (warm-up calls in the first round only). The
+  ``iters / rounds`` calls after a ``settle_s`` pause and warm-up calls
+  (three in the first round, then one; none with ``settle_s=0``). The
   column's figure is the median of all its calls: a slow spell of the
   shared machine lands in every column's samples rather than in one
   column's. ``<variant>_vs_xla_rounds`` / ``bwd_vs_torch_rounds`` give
@@ -170,18 +190,19 @@ def measure(kind, shape, dtype, bandwidth, iters, rounds=3):
   wl = (_bench.layer_norm_workload(*shape, dtype) if kind == "ln"
         else _bench.group_norm_workload(*shape, dtype))
   row = {"workload": wl.name, "kind": kind, "shape": list(shape), "dtype": jnp.dtype(dtype).name,
-         "rounds": rounds}
+         "rounds": rounds, "settle_s": settle_s}
   tc = torch_calls(kind, shape, dtype)
   per_round = max(1, -(-iters // rounds))
   samples = {}  # (variant, who) -> [ms per call], in rounds
   round_medians = {}
   for r in range(rounds):
-    warmup = 3 if r == 0 else 0
+    warmup = 3 if r == 0 else (1 if settle_s else 0)
     for variant in ("bwd", "fwd", "grad"):
       for who in ("ours", "xla", "torch"):
+        if who == "torch" and (tc is None or variant == "grad"):
+          continue
+        time.sleep(settle_s)
         if who == "torch":
-          if tc is None or variant == "grad":
-            continue
           for _ in range(warmup):
             tc[variant]()
           times = [tc[variant]() for _ in range(per_round)]
@@ -299,6 +320,8 @@ def main(argv=None):
   parser.add_argument("--iters", type=int, default=20, help="timed calls per column (split over the rounds)")
   parser.add_argument("--rounds", type=int, default=3,
                       help="interleaved rounds per row: each round times every column in turn")
+  parser.add_argument("--settle-ms", type=float, default=1e3 * SETTLE_S,
+                      help="pause before each column's calls, ms (0: none, and no per-round warm-up)")
   parser.add_argument("--out", default="benchmarks/results/cpu.json")
   parser.add_argument("--plot", default="benchmarks/results/cpu_ln_sweep.png")
   parser.add_argument("--sweep-dtypes", default="float32",
@@ -319,20 +342,23 @@ def main(argv=None):
   info["cpu_kernel_isa"] = _ffi.isa()
   info["cpu_model"] = cpu_model()
   info["keep_freed_memory"] = kept
+  settle_s = args.settle_ms / 1e3
+  info["settle_s"] = settle_s
   bandwidth, method = triad_bandwidth_gbs()
   info["triad_gbs"], info["triad_method"] = bandwidth, method
   print(json.dumps(info))
   print(f"memory bandwidth ({method}): {bandwidth:.1f} GB/s")
   rows = []
   for kind, shape, dtype in ISSUE_ROWS + DTYPE_ROWS:
-    rows.append(measure(kind, shape, dtype, bandwidth, args.iters, args.rounds))
+    rows.append(measure(kind, shape, dtype, bandwidth, args.iters, args.rounds, settle_s))
     print_table(rows[-1:])
   if not args.quick:
     for name in args.sweep_dtypes.split(","):
       dtype = jnp.dtype(name)
       print(f"\nsweep, {dtype.name} LayerNorm, rows x hidden = 2^23:")
       for hidden in SWEEP_HIDDEN:
-        r = measure("ln", (SWEEP_ELEMENTS // hidden, hidden), dtype, bandwidth, args.iters, args.rounds)
+        r = measure("ln", (SWEEP_ELEMENTS // hidden, hidden), dtype, bandwidth, args.iters, args.rounds,
+                    settle_s)
         r["sweep"], r["nbytes"] = True, 3 * SWEEP_ELEMENTS * dtype.itemsize
         rows.append(r)
         print_table([r])

@@ -24,6 +24,7 @@ def bench_cpu():
 def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype):
   row = bench_cpu.measure(kind, shape, dtype, bandwidth=20.0, iters=4, rounds=2)
   assert row["rounds"] == 2
+  assert row["settle_s"] == bench_cpu.SETTLE_S
   for variant in ("bwd", "fwd", "grad"):
     for who in ("ours", "xla"):
       assert row[f"{variant}_{who}_ms"] > 0
