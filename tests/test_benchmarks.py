@@ -21,10 +21,16 @@ def bench_cpu():
 
 @pytest.mark.parametrize("kind,shape,dtype", [("ln", (24, 40), jnp.float32),
                                               ("gn", (2, 6, 3, 5, 3), jnp.bfloat16)])
-def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype):
+def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype, monkeypatch):
+  pauses = []
+  monkeypatch.setattr(bench_cpu.time, "sleep", pauses.append)
   row = bench_cpu.measure(kind, shape, dtype, bandwidth=20.0, iters=4, rounds=2)
   assert row["rounds"] == 2
   assert row["settle_s"] == bench_cpu.SETTLE_S
+  # One pause before every column of every round: ours and XLA's backward,
+  # forward and grad, and PyTorch's backward and forward where installed.
+  columns = 6 + (2 if "bwd_torch_ms" in row else 0)
+  assert pauses == [bench_cpu.SETTLE_S] * (2 * columns)
   for variant in ("bwd", "fwd", "grad"):
     for who in ("ours", "xla"):
       assert row[f"{variant}_{who}_ms"] > 0
