@@ -4,10 +4,12 @@
 // rows form W = param_groups equal contiguous groups (W > 1 only under vmap
 // with per-example parameters): group k uses weight[k] and bias[k] and its
 // rows sum into dweight[k] and dbias[k].
-// Statistics, weight and bias arrive as float32 (the Python side converts the
-// small vectors), so the kernels are templated on the storage type of x, and
-// of y (forward) or dy (backward), which is x's or float32 (a 16-bit x with a
-// float32 result).
+// Statistics arrive as float32; weight and bias as float32 or in x's dtype
+// (as the user's parameters are: a 16-bit weight is read, not converted into
+// a float32 copy first, which for few long rows is as big as x). The kernels
+// are templated on the storage type of x, of y (forward) or dy (backward),
+// which is x's or float32 (a 16-bit x with a float32 result), and of the
+// parameters, Tp.
 // Both handlers can also write xhat (write_xhat), and the backward can start
 // from xhat instead of x (normalized): the AscendC / InfiniOp forms of the
 // backward run on these same kernels.
@@ -39,8 +41,8 @@ constexpr int64_t kMinRowsPerPartial = 32;
 // y = xhat * w + b for n elements, xhat = (x - mu) * rs, and xhat itself into
 // xo when given (w and b are never null: ones / zeros stand in for absent
 // ones). Prefetches the line `ahead` elements on in x (0: none).
-template <typename T, typename Ty>
-void FwdOutput(const T* x, const float* w, const float* b, Ty* y, T* xo, int64_t n, float mu,
+template <typename T, typename Ty, typename Tp>
+void FwdOutput(const T* x, const Tp* w, const Tp* b, Ty* y, T* xo, int64_t n, float mu,
                float rs, int64_t ahead, bool stream_y) {
   const bool stream = StreamRow(stream_y, y);
   ForRow(n, [&](auto tag, int64_t j) {
@@ -53,8 +55,8 @@ void FwdOutput(const T* x, const float* w, const float* b, Ty* y, T* xo, int64_t
 
 // `xhat_out` (optional) receives xhat = (x - mean) * rstd in T, for a backward
 // from the normalized input (layer_norm(save="normalized")).
-template <typename T, typename Ty>
-void LayerNormFwdRows(const T* x, const float* w, const float* b, Ty* y, T* xhat_out,
+template <typename T, typename Ty, typename Tp>
+void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Ty* y, T* xhat_out,
                       float* mean_out, float* rstd_out, int64_t row_begin,
                       int64_t row_end, int64_t H, float eps, bool centered, bool stream_y) {
   const float inv_h = 1.0f / static_cast<float>(H);
@@ -112,8 +114,8 @@ struct ColumnChunks {
 // over the chunk, in cache), merged per row in chunk order (Chan et al.):
 // the cancellation-free variance with one pass over memory. RMSNorm sums
 // x^2 instead. Phase 2: the output pass per (row, chunk).
-template <typename T, typename Ty>
-void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const float* w, const float* b,
+template <typename T, typename Ty, typename Tp>
+void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const Tp* w, const Tp* b,
                          Ty* y, T* xhat_out, float* mean_out, float* rstd_out,
                          int64_t row_begin, int64_t row_end, int64_t H, float eps,
                          bool centered, bool stream_y) {
@@ -153,13 +155,13 @@ void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const float* w, cons
 // is no mean, and rstd (null when dx is not computed) only scales dx.
 // xhat_out (optional) receives xhat in T (AscendC's res_for_gamma). dy is
 // in Tdy: T, or float32 where the forward's y was.
-template <typename T, typename Tdy, bool kDx, bool kDw, bool kDb>
+template <typename T, typename Tdy, typename Tp, bool kDx, bool kDw, bool kDb>
 struct LayerNormBwd {
   const Tdy* dy;
   const T* x;
   const float* mean;
   const float* rstd;
-  const float* w;  // this group's weight row
+  const Tp* w;  // this group's weight row, float32 or x's dtype
   T* dx;
   T* xhat_out;
   int64_t H;
@@ -176,7 +178,7 @@ struct LayerNormBwd {
   void Sums(int64_t i, int64_t c0, int64_t n, float* s_g, float* s_gx) const {
     const Tdy* dyr = dy + i * H + c0;
     const T* xr = x + i * H + c0;
-    const float* wr = w + c0;
+    const Tp* wr = w + c0;
     const float mu = Mu(i), xs = Xs(i);
     Acc a_g, a_gx;
     ForRow(n, [&](auto tag, int64_t j) {
@@ -204,7 +206,7 @@ struct LayerNormBwd {
              int64_t ahead) const {
     const Tdy* dyr = dy + i * H + c0;
     const T* xr = x + i * H + c0;
-    const float* wr = w + c0;
+    const Tp* wr = w + c0;
     T* dxr = kDx ? dx + i * H + c0 : nullptr;
     T* xo = xhat_out ? xhat_out + i * H + c0 : nullptr;
     const float mu = Mu(i), rs = Rs(i), xs = Xs(i);
@@ -293,19 +295,92 @@ void ColumnChunkedBwd(ffi::ThreadPool* pool, const Op& op, int64_t row_begin, in
   });
 }
 
-// Parameters as float32 rows for every group, ones / zeros where absent, so
-// the row loops need no branch on presence.
-const float* ParamsOrConstant(const float* p, int64_t size, float constant,
-                              std::vector<float>* storage) {
-  if (p) return p;  // used in place: a long row's weight is as big as x
-  storage->assign(static_cast<size_t>(size), constant);
-  return storage->data();
+// Parameter rows for every group as the kernels read them (Tp, see
+// DispatchParams): in place; ones / zeros where absent (exact in every type),
+// so the row loops need no branch on presence; or a 16-bit parameter widened
+// into a float32 copy where DispatchParams chose Tp = float for it.
+template <typename Tp>
+const Tp* ParamsOrConstant(const ffi::AnyBuffer& p, bool present, int64_t size, float constant,
+                           std::vector<Tp>* storage) {
+  if (!present) {
+    storage->assign(static_cast<size_t>(size), FromFloat<Tp>(constant));
+    return storage->data();
+  }
+  if constexpr (sizeof(Tp) == 4) {
+    if (p.element_type() != ffi::DataType::F32) {  // widened
+      storage->resize(static_cast<size_t>(size));
+      (void)DispatchFloat(p.element_type(), "weight", [&](auto tag) {
+        const auto* src = reinterpret_cast<const decltype(tag)*>(p.untyped_data());
+        for (int64_t i = 0; i < size; ++i) (*storage)[i] = ToFloat(src[i]);
+        return ffi::Error::Success();
+      });
+      return storage->data();
+    }
+  }
+  // In place when the types agree: a long row's weight is as big as x.
+  return reinterpret_cast<const Tp*>(p.untyped_data());
+}
+
+// Whether 16-bit parameters are widened into float32 copies before the row
+// loops (ParamsOrConstant): where each row of them is short (a float32 row
+// within 64 KiB, so it stays in L1/L2) and read by many rows, the copy costs
+// little and saves a conversion per vector in every row's passes (in cache,
+// bfloat16 512x1024 and 2048x1024 backward: 10-15%). Long rows' parameters
+// are read as they are: half the bytes, and a copy would be as big as x
+// (bfloat16 forward of 1 x 2^23: 1.91 ms, against 5.98 with float32
+// copies made by XLA before the call). At least 32 rows per parameter row
+// keep the copies (float32) within 1/16 of a 16-bit x's bytes.
+bool WidenParams(int64_t rows_per_group, int64_t H) {
+  return rows_per_group >= 32 && H * 4 <= (int64_t{64} << 10);
+}
+
+// The parameters' dtype: the present ones' (weight's and bias's must agree),
+// float32 or x's; calls fn(Tp{}) with Tp its storage type, or float where
+// there are none or `widen` (16-bit ones read from float32 copies).
+template <typename T, typename Fn>
+ffi::Error DispatchParams(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight, bool has_weight,
+                          const ffi::AnyBuffer& bias, bool has_bias, bool widen, Fn&& fn) {
+  if (has_weight && has_bias && weight.element_type() != bias.element_type())
+    return ffi::Error::InvalidArgument("bias: dtype must match weight's");
+  if (!has_weight && !has_bias) return fn(float{});
+  const ffi::AnyBuffer& p = has_weight ? weight : bias;
+  return DispatchSameOrF32<T>(p.element_type(), x.element_type(), has_weight ? "weight" : "bias",
+                              [&](auto ptag) {
+                                if constexpr (sizeof(ptag) == 2) {
+                                  if (widen) return fn(float{});
+                                }
+                                return fn(ptag);
+                              });
+}
+
+// fn(T{}, Ty{}, Tp{}): the forward's storage types of x, y and the parameters.
+template <typename Fn>
+ffi::Error DispatchFwdTypes(const ffi::AnyBuffer& x, ffi::DataType y_dtype,
+                            const ffi::AnyBuffer& weight, bool has_weight,
+                            const ffi::AnyBuffer& bias, bool has_bias, bool widen, Fn&& fn) {
+  return DispatchXAndOutput(x, y_dtype, "y", [&](auto tag, auto ytag) {
+    return DispatchParams<decltype(tag)>(x, weight, has_weight, bias, has_bias, widen,
+                                         [&](auto ptag) { return fn(tag, ytag, ptag); });
+  });
+}
+
+// fn(T{}, Tdy{}, Tp{}): the backward's storage types of x, dy and weight.
+template <typename Fn>
+ffi::Error DispatchBwdTypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
+                            const ffi::AnyBuffer& weight, bool has_weight, bool widen, Fn&& fn) {
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    return DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out", [&](auto dytag) {
+      return DispatchParams<T>(x, weight, has_weight, weight, false, widen,
+                               [&](auto ptag) { return fn(tag, dytag, ptag); });
+    });
+  });
 }
 
 }  // namespace
 
-ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> bias,
+ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                            ffi::AnyBuffer bias,
                             ffi::Result<ffi::AnyBuffer> y,
                             ffi::ResultBuffer<ffi::F32> mean,
                             ffi::ResultBuffer<ffi::F32> rstd,
@@ -327,14 +402,16 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   JNG_RETURN_IF_ERROR(CheckSize("xhat", xhat->element_count(), write_xhat ? M * H : 0));
   if (M == 0) return ffi::Error::Success();
   if (H == 0) return ffi::Error::InvalidArgument("x: normalized size must be positive");
-  std::vector<float> w_ones, b_zeros;
-  const float* w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f, &w_ones);
-  const float* b = ParamsOrConstant(has_bias ? bias.typed_data() : nullptr, W * H, 0.f, &b_zeros);
   float* mean_p = centered ? mean->typed_data() : nullptr;
   float* rstd_p = rstd->typed_data();
-  return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
+  return DispatchFwdTypes(x, y->element_type(), weight, has_weight, bias, has_bias,
+                          WidenParams(M / W, H), [&](auto tag, auto ytag, auto ptag) {
     using T = decltype(tag);
     using Ty = decltype(ytag);
+    using Tp = decltype(ptag);
+    std::vector<Tp> w_ones, b_zeros;
+    const Tp* w = ParamsOrConstant(weight, has_weight, W * H, 1.f, &w_ones);
+    const Tp* b = ParamsOrConstant(bias, has_bias, W * H, 0.f, &b_zeros);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
     AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
@@ -358,7 +435,7 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 
 ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
-                            ffi::Buffer<ffi::F32> weight, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> dx,
                             ffi::ResultBuffer<ffi::F32> dweight,
                             ffi::ResultBuffer<ffi::F32> dbias,
                             ffi::Result<ffi::AnyBuffer> xhat, int64_t param_groups,
@@ -408,8 +485,6 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   if (db_out && !column_chunks) std::fill(db_out, db_out + W * H, 0.f);
   if (M == 0 || H == 0) return ffi::Error::Success();
 
-  std::vector<float> w_ones;
-  const float* w = ParamsOrConstant(has_weight ? weight.typed_data() : nullptr, W * H, 1.f, &w_ones);
   const float* mean_p = centered && !normalized ? mean.typed_data() : nullptr;
   const float* rstd_p = needs_rstd ? rstd.typed_data() : nullptr;
 
@@ -432,49 +507,51 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     if (dw_out) dw_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
     if (db_out) db_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
   }
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+  return DispatchBwdTypes(x, dy, weight, has_weight, WidenParams(rows_per_group, H),
+                          [&](auto tag, auto dytag, auto ptag) {
     using T = decltype(tag);
-    return DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out", [&](auto dytag) {
-      using Tdy = decltype(dytag);
-      const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
-      const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-      T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
-      AdviseHugePages(dxp, static_cast<int64_t>(dx->size_bytes()));
-      // A 16-bit dx too where kStreamNarrowRows (simd.h) says so.
-      const bool stream_dx =
-          compute_dx && (sizeof(T) == 4 || kStreamNarrowRows) &&
-          StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
-      T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
-      WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
-        using Op = LayerNormBwd<T, Tdy, decltype(kdx)::value, decltype(kdw)::value,
-                                decltype(kdb)::value>;
-        auto op_of = [&](int64_t grp) {
-          return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dxp, xhp, H, centered, normalized,
-                    stream_dx};
-        };
-        if (column_chunks) {
-          for (int64_t grp = 0; grp < W; ++grp)
-            ColumnChunkedBwd(&pool, op_of(grp), grp * rows_per_group, (grp + 1) * rows_per_group,
-                             compute_dx, dw_out ? dw_out + grp * H : nullptr,
-                             db_out ? db_out + grp * H : nullptr);
-          return;
-        }
-        ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
-          const int64_t grp = split.group(t);
-          float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
-          float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
-          op_of(grp).Rows(split.begin(t), split.end(t), dw, db);
-        });
-      });
-      if (use_partials) {
-        for (int64_t grp = 0; grp < W; ++grp) {
-          const int64_t off = grp * per_group * H;
-          if (dw_out) SumPartials(&pool, dw_part.data() + off, dw_out + grp * H, per_group, H);
-          if (db_out) SumPartials(&pool, db_part.data() + off, db_out + grp * H, per_group, H);
-        }
+    using Tdy = decltype(dytag);
+    using Tp = decltype(ptag);
+    std::vector<Tp> w_ones;
+    const Tp* w = ParamsOrConstant(weight, has_weight, W * H, 1.f, &w_ones);
+    const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
+    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+    T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
+    AdviseHugePages(dxp, static_cast<int64_t>(dx->size_bytes()));
+    // A 16-bit dx too where kStreamNarrowRows (simd.h) says so.
+    const bool stream_dx =
+        compute_dx && (sizeof(T) == 4 || kStreamNarrowRows) &&
+        StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
+    T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
+    WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
+      using Op = LayerNormBwd<T, Tdy, Tp, decltype(kdx)::value, decltype(kdw)::value,
+                              decltype(kdb)::value>;
+      auto op_of = [&](int64_t grp) {
+        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dxp, xhp, H, centered, normalized,
+                  stream_dx};
+      };
+      if (column_chunks) {
+        for (int64_t grp = 0; grp < W; ++grp)
+          ColumnChunkedBwd(&pool, op_of(grp), grp * rows_per_group, (grp + 1) * rows_per_group,
+                           compute_dx, dw_out ? dw_out + grp * H : nullptr,
+                           db_out ? db_out + grp * H : nullptr);
+        return;
       }
-      return ffi::Error::Success();
+      ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
+        const int64_t grp = split.group(t);
+        float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
+        float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
+        op_of(grp).Rows(split.begin(t), split.end(t), dw, db);
+      });
     });
+    if (use_partials) {
+      for (int64_t grp = 0; grp < W; ++grp) {
+        const int64_t off = grp * per_group * H;
+        if (dw_out) SumPartials(&pool, dw_part.data() + off, dw_out + grp * H, per_group, H);
+        if (db_out) SumPartials(&pool, db_part.data() + off, db_out + grp * H, per_group, H);
+      }
+    }
+    return ffi::Error::Success();
   });
 }
 
@@ -487,8 +564,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormFwd), jax_normgrad::JNG_IS
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()               // x (M, H)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weight (W, H) or (0)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // bias (W, H) or (0)
+                                  .Arg<xla::ffi::AnyBuffer>()  // weight (W, H) or (0): f32 or x's
+                                  .Arg<xla::ffi::AnyBuffer>()  // bias (W, H) or (0): as weight
                                   .Ret<xla::ffi::AnyBuffer>()               // y (M, H)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (M) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (M)
@@ -507,7 +584,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_IS
                                   .Arg<xla::ffi::AnyBuffer>()               // x (M, H)
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (M) or (0)
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (M)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weight (W, H) or (0)
+                                  .Arg<xla::ffi::AnyBuffer>()  // weight (W, H) or (0): f32 or x's
                                   .Ret<xla::ffi::AnyBuffer>()               // dx (M, H) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dweight (W, H) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dbias (W, H) or (0)

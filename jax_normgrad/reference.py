@@ -7,7 +7,7 @@ on platforms without a kernel. Everything accumulates in float32.
 Canonical layouts (the primitives reshape to these; reshapes are free):
 
 * LayerNorm / RMSNorm: ``x`` is ``(M, H)``; statistics ``(M,)``; parameters
-  ``(W, H)`` float32, where the rows form ``W`` equal contiguous groups (``W``
+  ``(W, H)``, float32 or x's dtype (used in float32), where the rows form ``W`` equal contiguous groups (``W``
   is 1 except under ``vmap`` with per-example parameters).
 * GroupNorm: ``x`` is ``(N, C, HW)`` or, channels-last, ``(N, HW, C)``;
   statistics ``(N, G)``; parameters ``(W, C)`` float32, samples in ``W`` groups.
@@ -18,6 +18,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 F32 = jnp.float32
+
+
+def _f32(a):
+  return None if a is None else a.astype(F32)
 
 
 def _grouped(a, groups):
@@ -36,6 +40,7 @@ def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, wr
   y is rounded once to ``y_dtype`` (None: x's dtype); xhat is in x's dtype.
   """
   m, h = x.shape
+  weight, bias = _f32(weight), _f32(bias)
   x32 = x.astype(F32)
   if centered:
     mean = jnp.mean(x32, axis=1)
@@ -76,6 +81,7 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   dtype or float32; dx and xhat are in x's dtype.
   """
   mean, rstd, weight = split_ln_bwd_operands(rest, centered, has_weight, normalized)
+  weight = _f32(weight)
   m, h = x.shape
   w = param_groups
   dy32 = _grouped(dy.astype(F32), w)

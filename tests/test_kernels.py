@@ -49,6 +49,47 @@ def test_backward_ops_lower_to_custom_call():
   assert "custom_call @jax_normgrad_group_norm_bwd" in g.lower(gx, gx).as_text()
 
 
+def test_16bit_layer_norm_parameters_reach_the_kernels_unconverted():
+  """A 16-bit weight and bias are the custom calls' operands as they are (no float32 copy first)."""
+  x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  text = jax.jit(jax.grad(lambda x, w: jnp.sum(jn.layer_norm(x, w, w).astype(jnp.float32) ** 2),
+                          argnums=(0, 1))).lower(x16, w16).as_text()
+  calls = [l for l in text.splitlines() if "custom_call @jax_normgrad_layer_norm" in l]
+  assert len(calls) == 2
+  assert "(tensor<8x32xbf16>, tensor<1x32xbf16>, tensor<1x32xbf16>) ->" in calls[0]  # x, w, b
+  assert "tensor<8xf32>, tensor<1x32xbf16>) ->" in calls[1]  # ..., rstd, w
+  assert "convert" not in text.split("custom_call @jax_normgrad_layer_norm_fwd")[0]
+
+
+# Row tasks with per-task partials, long rows by column chunks (1 and 2 rows,
+# fewer than kMinRowsForRowTasks), and per-example parameters (param_groups).
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows,h,groups", [(301, 67, 1), (1, 40_013, 1), (2, 33_001, 1),
+                                           (12, 130, 3)])
+@pytest.mark.parametrize("has_weight,has_bias", [(True, True), (True, False), (False, True)])
+def test_16bit_layer_norm_parameters_compute_as_float32_ones(dtype, rows, h, groups, has_weight,
+                                                             has_bias):
+  """The kernels read 16-bit parameters exactly: every output bitwise that of the float32 copies."""
+  from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
+  keys = jax.random.split(jax.random.PRNGKey(rows + h), 4)
+  xs = jax.random.normal(keys[0], (rows, h), dtype) * 2 + 0.5
+  dy = jax.random.normal(keys[1], (rows, h), dtype)
+  params = [jax.random.normal(k, (groups, h), dtype) for k, p in zip(keys[2:], (has_weight, has_bias))
+            if p]
+  fwd = dict(eps=1e-5, centered=True, has_weight=has_weight, has_bias=has_bias,
+             param_groups=groups, write_xhat=False, y_dtype=None, implementation="ffi")
+  bwd = dict(centered=True, has_weight=has_weight, output_mask=(True, True, True),
+             param_groups=groups, normalized=False, write_xhat=False, implementation="ffi")
+  weight = params[:1] if has_weight else []
+  outs = {}
+  for name, ps in (("16-bit", params), ("float32", [p.astype(jnp.float32) for p in params])):
+    y, mean, rstd = layer_norm_fwd_p.bind(xs, *ps, **fwd)
+    assert y.dtype == dtype
+    outs[name] = [y, mean, rstd, *layer_norm_bwd_p.bind(dy, xs, mean, rstd, *ps[:len(weight)], **bwd)]
+  for a, b in zip(outs["16-bit"], outs["float32"]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_channels_last_forward_drops_y_where_unused():
   # A channels-last forward is two calls, statistics then y, so that XLA
   # drops y's pass when nothing reads y (as it drops jnp code): jax.grad of
@@ -141,6 +182,21 @@ BAD_FFI_CALLS = [
      dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True,
           write_xhat=False),
      "y: dtype must be x's or float32"),
+    # weight and bias of different dtypes.
+    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.bfloat16), _sds((4,)), _sds((4,)),
+                                     _sds((0,), jnp.bfloat16)],
+     (np.ones((4, 8), jnp.bfloat16), np.ones((1, 8), jnp.bfloat16), np.ones((1, 8), np.float32)),
+     dict(eps=1e-5, param_groups=1, has_weight=True, has_bias=True, centered=True,
+          write_xhat=False),
+     "bias: dtype must match weight's"),
+    # a weight neither x's dtype nor float32.
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8), jnp.bfloat16), _sds((1, 8)), _sds((1, 8)),
+                                     _sds((0,), jnp.bfloat16)],
+     (np.ones((4, 8), jnp.bfloat16), np.ones((4, 8), jnp.bfloat16), np.ones(4, np.float32),
+      np.ones(4, np.float32), np.ones((1, 8), np.float16)),
+     dict(param_groups=1, has_weight=True, compute_dx=True, compute_dweight=True,
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False),
+     "weight: dtype must be x's or float32"),
     # param_groups that does not divide the rows.
     ("jax_normgrad_layer_norm_fwd", [_sds((4, 8)), _sds((4,)), _sds((4,)), _sds((0,))],
      (np.ones((4, 8), np.float32), None, None),

@@ -1,4 +1,4 @@
-"""Helpers shared by the public ops: output_mask unpacking and float32 conversion of small operands."""
+"""Helpers shared by the public ops: output_mask unpacking and the small operands' canonical forms."""
 
 from __future__ import annotations
 
@@ -12,14 +12,21 @@ def as_f32(a, shape):
   return None if a is None else a.reshape(shape).astype(F32)
 
 
-def as_f32_weight(weight, shape, scale_offset=0.0):
-  """The weight the kernels apply, ``weight + scale_offset``, as float32 in the canonical shape.
+def kernel_params(weight, bias, shape, scale_offset=0.0):
+  """``(weight + scale_offset, bias)`` as the LayerNorm kernels take them, in the canonical shape.
 
-  The offset (Gemma-style zero-centered weights) is added in float32 after
-  the cast, so a 16-bit weight loses nothing to it.
+  In their own dtype, x's or float32: the kernels read either, so a 16-bit
+  weight is not first copied to float32 (for few long rows that copy is as
+  big as x). With a ``scale_offset`` (Gemma-style zero-centered weights) the
+  offset is added in float32 after the cast, so a 16-bit weight loses
+  nothing to it, and bias goes to float32 with it (the kernels take the two
+  in one dtype). None stays None.
   """
-  w = as_f32(weight, shape)
-  return w if w is None or scale_offset == 0.0 else w + jnp.float32(scale_offset)
+  weight, bias = (None if a is None else a.reshape(shape) for a in (weight, bias))
+  if weight is not None and scale_offset != 0.0:
+    weight = weight.astype(F32) + jnp.float32(scale_offset)
+    bias = as_f32(bias, shape)
+  return weight, bias
 
 
 def unmask(outs, mask, finish):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_normgrad import _sharding, _validation as v
-from jax_normgrad.ops._common import F32, as_f32, as_f32_weight, present, unmask
+from jax_normgrad.ops._common import F32, as_f32, kernel_params, present, unmask
 from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
 
 
@@ -62,7 +62,7 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   lead_shape = x.shape[:lead] or (1,)
   outs = list(_sharding.bind(
       layer_norm_fwd_p, x.reshape(lead_shape + (h,)),
-      *present(as_f32_weight(weight, (1, h), scale_offset), as_f32(bias, (1, h))),
+      *present(*kernel_params(weight, bias, (1, h), scale_offset)),
       lead=len(lead_shape), eps=eps, centered=centered, has_weight=weight is not None, has_bias=bias is not None,
       param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype, implementation=implementation))
   y = outs.pop(0).reshape(x.shape)
@@ -96,7 +96,7 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, lead_shape))
   outs = _sharding.bind(
       layer_norm_bwd_p, dy.reshape(rows), x.reshape(rows), *stats,
-      *present(as_f32_weight(weight, (1, h), scale_offset)), lead=len(lead_shape),
+      *present(kernel_params(weight, None, (1, h), scale_offset)[0]), lead=len(lead_shape),
       centered=centered,
       has_weight=weight is not None, output_mask=output_mask, param_groups=1,
       normalized=normalized, write_xhat=write_xhat, implementation=implementation)

@@ -2,7 +2,9 @@
 
 Canonical operands (see ``jax_normgrad.reference``): ``x``, ``dy`` of shape
 ``(M, H)``, dy in x's dtype or float32; ``mean``, ``rstd`` of shape ``(M,)`` float32; ``weight``, ``bias``
-of shape ``(W, H)`` float32, ``W = param_groups``. ``centered=False`` is
+of shape ``(W, H)``, ``W = param_groups``, float32 or x's dtype (the two
+alike; every lowering computes in float32, and the CPU kernels read 16-bit
+parameters without a float32 copy). ``centered=False`` is
 RMSNorm (no mean: no ``mean`` operand or output, no ``mean(g)`` term).
 The forward's ``y_dtype`` (None: x's dtype, or float32) is y's dtype: a 16-bit
 x with float32 parameters gives a float32 y, read and computed without a
