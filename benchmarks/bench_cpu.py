@@ -14,10 +14,11 @@ times every column in turn, so a slow spell of the shared machine is spread
 over the columns instead of landing on one). Before each column's calls the
 run pauses (--settle-ms) and makes one untimed call, so threads another
 runtime left spinning do not take a core from it (see SETTLE_S). The floor
-of a backward is the bytes it must move (read x and dy, write dx) over the
-memory bandwidth measured in the same run (a STREAM-like triad: PyTorch's on
-all its threads where installed, else NumPy's on one). Writes a JSON file
-and, with matplotlib, a PNG of throughput against hidden size.
+of a backward is the bytes it must move (read x and dy, write dx), of a
+forward those of reading x and writing y, over the memory bandwidth
+measured in the same run (a STREAM-like triad: PyTorch's on all its threads
+where installed, else NumPy's on one). Writes a JSON file and, with
+matplotlib, a PNG of throughput against hidden size.
 """
 
 from __future__ import annotations
@@ -220,11 +221,19 @@ def measure(kind, shape, dtype, bandwidth, iters, rounds=3, settle_s=SETTLE_S):
     row["bwd_vs_torch_rounds"] = [
         t / o for t, o in zip(round_medians[("bwd", "torch")], round_medians[("bwd", "ours")])]
   row["bwd_floor_ms"] = wl.nbytes_bwd / (bandwidth * 1e9) * 1e3
+  # The forward's floor (read x, write y): XLA's forward over it bounds how
+  # far any kernel can be ahead of XLA's (a ratio to XLA above XLA's / floor
+  # would be faster than the memory).
+  row["fwd_floor_ms"] = wl.nbytes_fwd / (bandwidth * 1e9) * 1e3
+  row["fwd_vs_xla"] = row["fwd_xla_ms"] / row["fwd_ours_ms"]
+  row["fwd_vs_floor"] = row["fwd_ours_ms"] / row["fwd_floor_ms"]
+  row["fwd_xla_vs_floor"] = row["fwd_xla_ms"] / row["fwd_floor_ms"]
   row["bwd_ours_gbs"] = wl.nbytes_bwd / (row["bwd_ours_ms"] * 1e-3) / 1e9
   row["bwd_vs_xla"] = row["bwd_xla_ms"] / row["bwd_ours_ms"]
   row["bwd_vs_floor"] = row["bwd_ours_ms"] / row["bwd_floor_ms"]
   if tc is not None:
     row["bwd_vs_torch"] = row["bwd_torch_ms"] / row["bwd_ours_ms"]
+    row["fwd_vs_torch"] = row["fwd_torch_ms"] / row["fwd_ours_ms"]
   row["grad_vs_xla"] = row["grad_xla_ms"] / row["grad_ours_ms"]
   fl = flax_grad_times(kind, shape, dtype, iters)
   if fl:
@@ -241,7 +250,8 @@ def measure(kind, shape, dtype, bandwidth, iters, rounds=3, settle_s=SETTLE_S):
 
 def print_table(rows):
   print(f"{'workload':36s} {'floor':>6s} {'ours':>7s} {'XLA':>7s} {'torch':>7s}"
-        f" {'xXLA':>6s} {'xtorch':>7s} {'/floor':>7s} | {'fwd ours':>8s} {'XLA':>7s} {'torch':>7s}"
+        f" {'xXLA':>6s} {'xtorch':>7s} {'/floor':>7s} | {'fwd floor':>9s} {'ours':>7s} {'XLA':>7s}"
+        f" {'torch':>7s} {'XLA/floor':>9s}"
         f" | {'grad ours':>9s} {'XLA':>7s} | {'flax drop-in':>12s} {'flax.linen':>10s}")
   for r in rows:
     torch_b = f"{r['bwd_torch_ms']:7.2f}" if "bwd_torch_ms" in r else "      -"
@@ -249,7 +259,8 @@ def print_table(rows):
     vs_t = f"{r['bwd_vs_torch']:6.2f}x" if "bwd_vs_torch" in r else "      -"
     print(f"{r['workload']:36s} {r['bwd_floor_ms']:6.2f} {r['bwd_ours_ms']:7.2f} "
           f"{r['bwd_xla_ms']:7.2f} {torch_b} {r['bwd_vs_xla']:5.1f}x {vs_t} "
-          f"{r['bwd_vs_floor']:6.2f}x | {r['fwd_ours_ms']:8.2f} {r['fwd_xla_ms']:7.2f} {torch_f} | "
+          f"{r['bwd_vs_floor']:6.2f}x | {r['fwd_floor_ms']:9.2f} {r['fwd_ours_ms']:7.2f} "
+          f"{r['fwd_xla_ms']:7.2f} {torch_f} {r['fwd_xla_vs_floor']:8.2f}x | "
           f"{r['grad_ours_ms']:9.2f} {r['grad_xla_ms']:7.2f} | "
           f"{r.get('flax_grad_ours_ms', float('nan')):12.2f} {r.get('flax_grad_flax_ms', float('nan')):10.2f}"
           + (f" | value_and_grad: {r['flax_vg_ours_ms']:.2f} {r['flax_vg_flax_ms']:.2f}"

@@ -78,6 +78,7 @@ class Workload:
 
   name: str
   nbytes_bwd: int  # bytes a backward must move: read x, dy; write dx.
+  nbytes_fwd: int  # bytes a forward must move: read x; write y.
   ours_bwd: tuple
   xla_bwd: tuple
   ours_fwd: tuple
@@ -111,6 +112,7 @@ def layer_norm_workload(rows: int, hidden: int, dtype=jnp.float32, seed: int = 0
   return Workload(
       name=f"LayerNorm {rows}x{hidden} {jnp.dtype(dtype).name}",
       nbytes_bwd=3 * x.size * x.dtype.itemsize,
+      nbytes_fwd=2 * x.size * x.dtype.itemsize,
       ours_bwd=(ours_bwd, (dy, x, mean, rstd, w, b)),
       xla_bwd=_pure_backward(jnp_layer_norm, (x, w, b), dy),
       ours_fwd=(ours_fwd, (x, w, b)),
@@ -135,6 +137,7 @@ def rms_norm_workload(rows: int, hidden: int, dtype=jnp.float32, seed: int = 0) 
   return Workload(
       name=f"RMSNorm {rows}x{hidden} {jnp.dtype(dtype).name}",
       nbytes_bwd=3 * x.size * x.dtype.itemsize,
+      nbytes_fwd=2 * x.size * x.dtype.itemsize,
       ours_bwd=(ours_bwd, (dy, x, rstd, w)),
       xla_bwd=_pure_backward(jnp_rms_norm, (x, w), dy),
       ours_fwd=(ours_fwd, (x, w)),
@@ -163,6 +166,7 @@ def group_norm_workload(n: int, c: int, h: int, w_: int, groups: int, dtype=jnp.
   return Workload(
       name=f"GroupNorm {n}x{c}x{h}x{w_} g{groups} {jnp.dtype(dtype).name}",
       nbytes_bwd=3 * x.size * x.dtype.itemsize,
+      nbytes_fwd=2 * x.size * x.dtype.itemsize,
       ours_bwd=(ours_bwd, (dy, x, mean, rstd, g)),
       xla_bwd=_pure_backward(ref, (x, g, b), dy),
       ours_fwd=(ours_fwd, (x, g, b)),

@@ -36,6 +36,10 @@ def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype, monkeypatch):
       assert row[f"{variant}_{who}_ms"] > 0
     assert len(row[f"{variant}_vs_xla_rounds"]) == 2
   assert row["bwd_vs_xla"] == pytest.approx(row["bwd_xla_ms"] / row["bwd_ours_ms"])
+  # The forward's floor: x read and y written, against the backward's three tensors.
+  assert row["fwd_floor_ms"] == pytest.approx(row["bwd_floor_ms"] * 2 / 3)
+  assert row["fwd_xla_vs_floor"] == pytest.approx(row["fwd_xla_ms"] / row["fwd_floor_ms"])
+  assert row["fwd_vs_xla"] == pytest.approx(row["fwd_xla_ms"] / row["fwd_ours_ms"])
   if "bwd_torch_ms" in row:  # PyTorch is optional
     assert len(row["bwd_vs_torch_rounds"]) == 2
   bench_cpu.print_table([row])
