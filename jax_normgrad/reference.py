@@ -7,8 +7,9 @@ on platforms without a kernel. Everything accumulates in float32.
 Canonical layouts (the primitives reshape to these; reshapes are free):
 
 * LayerNorm / RMSNorm: ``x`` is ``(M, H)``; statistics ``(M,)``; parameters
-  ``(W, H)``, float32 or x's dtype (used in float32), where the rows form ``W`` equal contiguous groups (``W``
-  is 1 except under ``vmap`` with per-example parameters).
+  ``(W, H)``, float32 or x's dtype (used in float32), where the rows form
+  ``W`` equal contiguous groups (``W`` is 1 except under ``vmap`` with
+  per-example parameters).
 * GroupNorm: ``x`` is ``(N, C, HW)`` or, channels-last, ``(N, HW, C)``;
   statistics ``(N, G)``; parameters ``(W, C)`` float32, samples in ``W`` groups.
 """

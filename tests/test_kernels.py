@@ -61,8 +61,10 @@ def test_16bit_layer_norm_parameters_reach_the_kernels_unconverted():
   assert "convert" not in text.split("custom_call @jax_normgrad_layer_norm_fwd")[0]
 
 
-# Row tasks with per-task partials, long rows by column chunks (1 and 2 rows,
-# fewer than kMinRowsForRowTasks), and per-example parameters (param_groups).
+# Row tasks with per-task partials and parameters widened to float32 copies
+# (>= 32 rows per parameter row), long rows by column chunks (1 and 2 rows,
+# fewer than kMinRowsForRowTasks) and per-example parameters (param_groups,
+# 4 rows each), both reading the 16-bit parameters in place.
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rows,h,groups", [(301, 67, 1), (1, 40_013, 1), (2, 33_001, 1),
                                            (12, 130, 3)])
