@@ -297,23 +297,21 @@ void ColumnChunkedBwd(ffi::ThreadPool* pool, const Op& op, int64_t row_begin, in
 
 // Parameter rows for every group as the kernels read them (Tp, see
 // DispatchParams): in place; ones / zeros where absent (exact in every type),
-// so the row loops need no branch on presence; or a 16-bit parameter widened
-// into a float32 copy where DispatchParams chose Tp = float for it.
-template <typename Tp>
+// so the row loops need no branch on presence; or a 16-bit parameter (x's
+// storage type T) widened into a float32 copy where DispatchParams chose
+// Tp = float for it.
+template <typename T, typename Tp>
 const Tp* ParamsOrConstant(const ffi::AnyBuffer& p, bool present, int64_t size, float constant,
                            std::vector<Tp>* storage) {
   if (!present) {
     storage->assign(static_cast<size_t>(size), FromFloat<Tp>(constant));
     return storage->data();
   }
-  if constexpr (sizeof(Tp) == 4) {
-    if (p.element_type() != ffi::DataType::F32) {  // widened
+  if constexpr (sizeof(T) == 2 && sizeof(Tp) == 4) {
+    if (p.element_type() != ffi::DataType::F32) {  // widened: p is in T
+      const T* src = reinterpret_cast<const T*>(p.untyped_data());
       storage->resize(static_cast<size_t>(size));
-      (void)DispatchFloat(p.element_type(), "weight", [&](auto tag) {
-        const auto* src = reinterpret_cast<const decltype(tag)*>(p.untyped_data());
-        for (int64_t i = 0; i < size; ++i) (*storage)[i] = ToFloat(src[i]);
-        return ffi::Error::Success();
-      });
+      for (int64_t i = 0; i < size; ++i) (*storage)[i] = ToFloat(src[i]);
       return storage->data();
     }
   }
@@ -410,8 +408,8 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     using Ty = decltype(ytag);
     using Tp = decltype(ptag);
     std::vector<Tp> w_ones, b_zeros;
-    const Tp* w = ParamsOrConstant(weight, has_weight, W * H, 1.f, &w_ones);
-    const Tp* b = ParamsOrConstant(bias, has_bias, W * H, 0.f, &b_zeros);
+    const Tp* w = ParamsOrConstant<T>(weight, has_weight, W * H, 1.f, &w_ones);
+    const Tp* b = ParamsOrConstant<T>(bias, has_bias, W * H, 0.f, &b_zeros);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
     AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
@@ -513,7 +511,7 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     using Tdy = decltype(dytag);
     using Tp = decltype(ptag);
     std::vector<Tp> w_ones;
-    const Tp* w = ParamsOrConstant(weight, has_weight, W * H, 1.f, &w_ones);
+    const Tp* w = ParamsOrConstant<T>(weight, has_weight, W * H, 1.f, &w_ones);
     const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
