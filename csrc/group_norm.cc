@@ -168,7 +168,7 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
         const T* xc = xb + ci * s.HW;
         Ty* yc = y + off + ci * s.HW;
         const bool stream = StreamRow(stream_y, yc);
-        ForRow(s.HW, [&](auto tag, int64_t j) {
+        ForRowWide(yc, s.HW, [&](auto tag, int64_t j) {
           if (prefetch) PrefetchLine(tag, xc + D + j);
           StOut(tag, yc + j, (Ld(tag, xc + j) - mu) * a + bb, stream);
         });
@@ -369,7 +369,7 @@ void GroupNormApplyNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, con
       const T* xr = x + (n * s.HW + hw) * s.C;
       Ty* yr = y + (n * s.HW + hw) * s.C;
       const bool stream = StreamRow(stream_y, yr);
-      ForRow(s.C, [&](auto tag, int64_t c) {
+      ForRowWide(yr, s.C, [&](auto tag, int64_t c) {
         StOut(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c),
               stream);
       });
@@ -426,7 +426,7 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         T* dxc = dx + (n * s.C + c) * s.HW;
         const float a = rs * (gn ? gn[c] : 1.f);
         const bool stream = StreamRow(stream_dx, dxc);
-        ForRow(s.HW, [&](auto tag, int64_t j) {
+        ForRowWide(dxc, s.HW, [&](auto tag, int64_t j) {
           StOut(tag, dxc + j, a * Ld(tag, dyc + j) - b - k * (Ld(tag, xc + j) - mu), stream);
         });
       }
@@ -451,7 +451,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
       const float* mu = mu_c.data() + n * s.C;
       float* adb = acc;
       float* ads = acc + s.C;
-      ForRow(s.C, [&](auto tag, int64_t c) {
+      ForRowWide(adb, s.C, [&](auto tag, int64_t c) {
         auto d = Ld(tag, dyr + c);
         St(tag, adb + c, Ld(tag, adb + c) + d);
         St(tag, ads + c, Ld(tag, ads + c) + d * (Ld(tag, xr + c) - Ld(tag, mu + c)));
@@ -479,7 +479,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         const T* xr = x + (n * s.HW + hw) * s.C;
         T* dxr = dx + (n * s.HW + hw) * s.C;
         const bool stream = StreamRow(stream_dx, dxr);
-        ForRow(s.C, [&](auto tag, int64_t c) {
+        ForRowWide(dxr, s.C, [&](auto tag, int64_t c) {
           StOut(tag, dxr + c,
                 Ld(tag, a + c) * Ld(tag, dyr + c) - Ld(tag, b + c) -
                     Ld(tag, k + c) * (Ld(tag, xr + c) - Ld(tag, mu + c)),

@@ -45,7 +45,7 @@ template <typename T, typename Ty, typename Tp>
 void FwdOutput(const T* x, const Tp* w, const Tp* b, Ty* y, T* xo, int64_t n, float mu,
                float rs, int64_t ahead, bool stream_y) {
   const bool stream = StreamRow(stream_y, y);
-  ForRow(n, [&](auto tag, int64_t j) {
+  ForRowWide(y, n, [&](auto tag, int64_t j) {
     if (ahead) PrefetchLine(tag, x + ahead + j);
     auto xh = (Ld(tag, x + j) - mu) * rs;
     if (xo) St(tag, xo + j, xh);
@@ -211,7 +211,7 @@ struct LayerNormBwd {
     T* xo = xhat_out ? xhat_out + i * H + c0 : nullptr;
     const float mu = Mu(i), rs = Rs(i), xs = Xs(i);
     const bool stream = kDx && StreamRow(stream_dx, dxr);
-    ForRow(n, [&](auto tag, int64_t j) {
+    ForRowWide(dxr, n, [&](auto tag, int64_t j) {
       if (ahead) PrefetchLine(tag, dyr + ahead + j), PrefetchLine(tag, xr + ahead + j);
       auto d = Ld(tag, dyr + j);
       auto xh = (Ld(tag, xr + j) - mu) * xs;

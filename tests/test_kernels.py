@@ -363,3 +363,82 @@ def test_bfloat16_vector_conversions_match_scalar(isa):
   if not _cpu_has(*needs):
     pytest.skip(f"the {isa} build needs an x86 CPU with {needs}")
   _run_csrc_check("bf16_conversions", flags)
+
+
+@pytest.mark.skipif(not _cpu_has(*_ISA_BUILDS["avx512bf16"][1]),
+                    reason="the avx512bf16 build needs an x86 CPU with AVX-512 BF16")
+def test_16_wide_vector_conversions_match_8_wide():
+  """The avx512bf16 build's 16-wide loads and rounding stores equal its 8-wide ones, bit for bit.
+
+  Compiles tests/csrc/wide_vectors.cc: every bfloat16 and float16 widened,
+  and float32 values around every rounding tie narrowed, two high parts per
+  vector (so a subnormal's exact fallback runs beside normal lanes).
+  """
+  _run_csrc_check("wide_vectors", _ISA_BUILDS["avx512bf16"][0])
+
+
+# Layers whose outputs and gradients the builds must agree on bit for bit:
+# (name, function of (x, w, b), x shape, parameter shape, dtype). Row lengths
+# that are odd multiples of 8 put every other row's output off a 16-vector
+# boundary (the avx512bf16 build's elementwise loops then start with one
+# 8-wide vector); the others leave 8-wide and scalar tails; 2 x 40000 runs
+# LayerNorm by column chunks; 64 x 520 bfloat16 widens the parameters.
+_BUILD_CASES = [
+    *((f"layer_norm {s} {d}", lambda x, w, b: jn.layer_norm(x, w, b), s, s[-1:], d)
+      for s in [(5, 24), (7, 1000), (3, 1032), (2, 40_000), (64, 520)]
+      for d in ["float32", "bfloat16", "float16"]),
+    *((f"rms_norm {s} {d}", lambda x, w, b: jn.rms_norm(x, w), s, s[-1:], d)
+      for s in [(5, 24), (6, 1003)] for d in ["float32", "bfloat16"]),
+    *((f"group_norm {s} {d}", lambda x, w, b: jn.group_norm(x, 4, w, b), s, s[1:2], d)
+      for s in [(2, 8, 3, 8), (2, 12, 5, 7), (1, 8, 40, 41)] for d in ["float32", "bfloat16"]),
+    *((f"group_norm channels-last {s} {d}", lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1),
+       s, s[-1:], d)
+      for s in [(2, 3, 5, 24), (2, 4, 4, 1000), (2, 3, 3, 36)] for d in ["float32", "float16"]),
+]
+
+
+def _build_case_outputs(index: int):
+  """Forward output and (dx, dweight, dbias) of _BUILD_CASES[index], inputs from a fixed seed."""
+  name, fn, shape, pshape, dtype = _BUILD_CASES[index]
+  rng = np.random.default_rng(index)
+  x, dy = (jnp.asarray(rng.standard_normal(shape) * 2 + 0.5, dtype) for _ in range(2))
+  w, b = (jnp.asarray(rng.standard_normal(pshape), dtype) for _ in range(2))
+  y, vjp = jax.vjp(jax.jit(fn), x, w, b)
+  # As their bits (unsigned integers of the same width): npz keeps them all.
+  return [np.asarray(a).view(f"u{np.dtype(a.dtype).itemsize}") for a in (y, *vjp(dy.astype(y.dtype)))]
+
+
+def _write_build_outputs(path: str) -> None:
+  np.savez(path, *(a for i in range(len(_BUILD_CASES)) for a in _build_case_outputs(i)))
+
+
+def test_avx512bf16_build_computes_the_avx2_builds_bits():
+  """The default build (16-wide elementwise loops) and the AVX2 build give the same bits.
+
+  Forward outputs and all three gradients of every layer in _BUILD_CASES,
+  the AVX2 build's computed in a subprocess (JAX_NORMGRAD_ISA=avx2). The
+  row reductions are 8-wide on both; every elementwise loop computes each
+  element by the same operations, whatever its vector width.
+  """
+  import os
+  import subprocess
+  import sys
+  import tempfile
+  builds = _isa_builds()
+  if _default_isa() != "avx512bf16" or not builds.get("avx2"):
+    pytest.skip("needs the avx512bf16 build as the default and the avx2 build")
+  here = os.path.dirname(os.path.abspath(__file__))
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "avx2.npz")
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_kernels as t; "
+            f"import jax_normgrad._ffi as f; assert f.isa() == 'avx2', f.isa(); "
+            f"t._write_build_outputs({path!r})")
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   env=dict(os.environ, JAX_NORMGRAD_ISA="avx2"))
+    with np.load(path) as got:
+      theirs = [got[f"arr_{i}"] for i in range(len(got.files))]
+  ours = [a for i in range(len(_BUILD_CASES)) for a in _build_case_outputs(i)]
+  assert len(ours) == len(theirs)
+  for k, (a, b) in enumerate(zip(ours, theirs)):
+    name = _BUILD_CASES[k // 4][0]
+    np.testing.assert_array_equal(a, b, err_msg=f"{name}: {('y', 'dx', 'dweight', 'dbias')[k % 4]}")
