@@ -93,11 +93,17 @@ inline VU32 FloatToHalfBits(VF v) {
 }
 #endif
 
-template <int L>
-inline VF Ld(VecTagL<L>, const float* p) {
-  VF v;
+// The vector of V's size at p, as it is in memory (unaligned).
+template <typename V>
+inline V LoadVec(const void* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+template <int L>
+inline VF Ld(VecTagL<L>, const float* p) {
+  return LoadVec<VF>(p);
 }
 template <int L>
 inline VF Ld(VecTagL<L>, const BF16* p) {
@@ -406,25 +412,24 @@ typedef float VW __attribute__((vector_size(64)));
 template <int L>
 struct WideTagL {};
 
+// All 16 lanes, for the zero-masked forms of the conversions below: GCC
+// 12's unmasked ones pass an undefined vector that -Wmaybe-uninitialized
+// reports; the same instructions.
+constexpr __mmask16 kAllLanes = 0xffff;
+
 template <int L>
 inline VW Ld(WideTagL<L>, const float* p) {
-  VW v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+  return LoadVec<VW>(p);
 }
 template <int L>
 inline VW Ld(WideTagL<L>, const BF16* p) {
   // vpmovzxwd + vpslld: the word in each float's high half, as Ld's vpshufb.
-  // The zero-masked forms here and below: GCC 12's unmasked ones pass an
-  // undefined vector that -Wmaybe-uninitialized reports; same instructions.
-  constexpr __mmask16 kAll = 0xffff;
-  const __m512i w =
-      _mm512_maskz_cvtepu16_epi32(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return (VW)_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, w, 16));
+  const __m512i w = _mm512_maskz_cvtepu16_epi32(kAllLanes, LoadVec<__m256i>(p));
+  return (VW)_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, w, 16));
 }
 template <int L>
 inline VW Ld(WideTagL<L>, const F16* p) {
-  return (VW)_mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (VW)_mm512_maskz_cvtph_ps(kAllLanes, LoadVec<__m256i>(p));
 }
 
 // Pack for 16 floats, by the same roundings as the 8-wide Pack.
@@ -438,7 +443,7 @@ inline __m256i Pack(const BF16* p, VW v) {
   return _mm256_set_m128i((__m128i)hi, (__m128i)lo);
 }
 inline __m256i Pack(const F16*, VW v) {
-  return _mm512_maskz_cvtps_ph(0xffff, (__m512)v, _MM_FROUND_TO_NEAREST_INT);
+  return _mm512_maskz_cvtps_ph(kAllLanes, (__m512)v, _MM_FROUND_TO_NEAREST_INT);
 }
 
 template <int L, typename T>
