@@ -21,7 +21,8 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def _f32(a):
+def float32_or_none(a):
+  """``a`` as float32 (a parameter in x's dtype or float32: the math runs in float32); None stays None."""
   return None if a is None else a.astype(F32)
 
 
@@ -41,7 +42,7 @@ def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, wr
   y is rounded once to ``y_dtype`` (None: x's dtype); xhat is in x's dtype.
   """
   m, h = x.shape
-  weight, bias = _f32(weight), _f32(bias)
+  weight, bias = float32_or_none(weight), float32_or_none(bias)
   x32 = x.astype(F32)
   if centered:
     mean = jnp.mean(x32, axis=1)
@@ -82,7 +83,7 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   dtype or float32; dx and xhat are in x's dtype.
   """
   mean, rstd, weight = split_ln_bwd_operands(rest, centered, has_weight, normalized)
-  weight = _f32(weight)
+  weight = float32_or_none(weight)
   m, h = x.shape
   w = param_groups
   dy32 = _grouped(dy.astype(F32), w)

@@ -37,8 +37,7 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
   ``y = (x - mean) * rstd * weight + bias``, in ``y_dtype`` (None: x's).
   """
   # The tiles compute in float32; 16-bit parameters are converted first.
-  weight, bias = (None if p is None else p.astype(F32)
-                  for p in common.unpack(params, has_weight, has_bias))
+  weight, bias = map(reference.float32_or_none, common.unpack(params, has_weight, has_bias))
   seg = _rows(x, centered, param_groups)
   y, mean, rstd = common.forward(seg, x.reshape(seg.n, 1, seg.b), weight, bias, eps=eps,
                                  interpret=interpret, y_dtype=y_dtype)
@@ -63,7 +62,7 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
   m = x.shape[0]
   mean, rstd, weight = reference.split_ln_bwd_operands(rest, centered, has_weight, normalized)
-  weight = None if weight is None else weight.astype(F32)  # as in layer_norm_fwd
+  weight = reference.float32_or_none(weight)  # as in layer_norm_fwd
   kernel_rstd = rstd
   kx, kdy = x, dy
   if normalized:
