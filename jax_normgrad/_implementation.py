@@ -25,6 +25,8 @@ from typing import Callable
 import jax
 from jax.interpreters import mlir
 
+from jax_normgrad import _compat
+
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
@@ -93,15 +95,43 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
 
     def rule(ctx, *args, implementation, **params):
       impl = resolve(implementation, platform, prim.name, available)
+      if platform == "tpu" and implementation is None and _auto_partitioned(ctx):
+        _warn_once(
+            f"jax_normgrad: {prim.name} is in a multi-device jit on TPU, where XLA would have to "
+            f"partition the Pallas (Mosaic) kernel, which it cannot (and JAX's custom_partitioning "
+            f"rules do not run on TPU); the pure-JAX reference ('xla') runs instead. Write the "
+            f"step with jax.shard_map to run the kernels on each device's local shapes.")
+        impl = "xla"
       fn = available[impl]
       if impl == "pallas":
-        fn = functools.partial(fn, interpret=(platform == "cpu"))
+        interpret = platform == "cpu"
+        fn = functools.partial(fn, interpret=interpret)
+        if interpret:
+          # Pallas' interpreter (every jax up to 0.11) evaluates a kernel's body on
+          # operands that vary inside shard_map next to constants that do not,
+          # which check_vma refuses; lowered code needs no varying types.
+          ctx = ctx.replace(avals_in=[_compat.without_varying(a) for a in ctx.avals_in])
       return mlir.lower_fun(functools.partial(fn, **params), multiple_results=prim.multiple_results)(ctx, *args)
 
     return rule
 
   for platform in PLATFORMS:
     mlir.register_lowering(prim, make_rule(platform), platform=platform)
+
+
+def _auto_partitioned(ctx) -> bool:
+  """Whether XLA's SPMD partitioner (not ``shard_map``) splits the op being lowered over devices.
+
+  A ``jit`` over many devices lowers in a sharding context of that many
+  devices; inside ``shard_map`` the manual mesh axes are the module's, and
+  only mesh axes left automatic (of size > 1) are partitioned by XLA.
+  """
+  axis_context = ctx.module_context.axis_context
+  manual = getattr(axis_context, "manual_axes", None)
+  if manual is None:
+    return getattr(axis_context, "num_devices", 1) > 1
+  mesh = axis_context.mesh
+  return any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in manual)
 
 
 def def_impl_via_jit(prim) -> None:

@@ -33,6 +33,8 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_normgrad import _compat
+
 #: The factor name of the row axis in the sharding rules.
 ROW = "r"
 
@@ -112,8 +114,7 @@ def register_roles(prim, roles: Callable) -> None:
 
 def _varying(a) -> frozenset:
   """The manual mesh axes ``a`` varies over inside ``shard_map`` (empty elsewhere)."""
-  mat = getattr(jax.typeof(a), "mat", None)
-  return frozenset() if mat is None else mat.varying
+  return _compat.varying_axes(jax.typeof(a))
 
 
 def match_varying(args):
@@ -246,12 +247,21 @@ def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
     outs = jax.vmap(fn, in_axes=[0 if b else None for b in in_batched])(*args)
     return tuple(outs), (True,) * len(outs)
 
+  def on_tpu(*args):
+    # custom_partitioning's rules are Python callbacks of XLA's partitioner, which
+    # libtpu's compiler does not call (jax-ml/jax#38196: "Custom emitter for
+    # CustomSPMDPartitioning not found"), and XLA cannot partition a Mosaic kernel
+    # either: on TPU the call is left to the lowering (_implementation: the
+    # reference, announced, in a multi-device jit; the kernel inside shard_map).
+    return tuple(fn(*args))
+
   @jax.custom_jvp
   def with_rules(*args):
     return batched(*args)
 
   @with_rules.defjvp
   def _jvp_rule(primals, tangents):
-    return jax.jvp(fn, primals, tangents)
+    outs, tangents_out = jax.jvp(fn, primals, tangents)
+    return tuple(outs), tuple(tangents_out)
 
-  return lambda *args: list(with_rules(*args))
+  return lambda *args: list(jax.lax.platform_dependent(*args, tpu=on_tpu, default=with_rules))

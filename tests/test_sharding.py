@@ -6,6 +6,7 @@ child pytest with ``--xla_force_host_platform_device_count=8``; in the parent
 process the 8-device tests are skipped.
 """
 
+import contextlib
 import os
 import re
 import subprocess
@@ -42,6 +43,7 @@ if IN_CHILD:
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
   import jax_normgrad as jn
+  from jax_normgrad.pallas import config
 
   assert jax.device_count() == 8, jax.devices()
   F32 = jnp.float32
@@ -191,10 +193,39 @@ def test_vmap_and_jvp_under_a_mesh():
   _close(h(_put(X, mesh, "d"), _put(X, mesh, "d")), h(X, X))
 
 
+#: The implementations the shard_map tests run: the CPU kernels, and the Pallas
+#: kernels of GPU ("pallas") and TPU ("pallas-tpu"), interpreted.
+IMPLEMENTATIONS = ["ffi", "pallas", "pallas-tpu"]
+
+
+@contextlib.contextmanager
+def _implementation(name):
+  """``(implementation, context)`` for one of IMPLEMENTATIONS: the TPU kernels are chosen
+  by the interpreter's backend setting (recompiled: jit caches the lowering)."""
+  if name != "pallas-tpu":
+    yield name
+    return
+  jax.clear_caches()
+  with config.override(interpret_backend="tpu"):
+    yield "pallas"
+  jax.clear_caches()
+
+
 @eight
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "group_norm"])
-def test_shard_map_grad_matches_jnp_layer(kind):
-  """x sharded, parameters replicated: grad is the jnp layer's (the weight gradient psum-ed)."""
+def test_shard_map_grad_matches_jnp_layer(kind, impl, check_vma):
+  """x sharded, parameters replicated: grad is the jnp layer's (the weight gradient psum-ed).
+
+  Every kernel set (the CPU kernels; the GPU and TPU Pallas kernels,
+  interpreted), with shard_map's varying-axes check on and off.
+  """
+  with _implementation(impl) as implementation:
+    _shard_map_grad_matches_jnp_layer(kind, implementation, check_vma)
+
+
+def _shard_map_grad_matches_jnp_layer(kind, implementation, check_vma):
   mesh = _mesh((8,), ("d",))
   if kind == "group_norm":
     x = _normal(12, (16, 32, 4))
@@ -206,21 +237,134 @@ def test_shard_map_grad_matches_jnp_layer(kind):
       y = ((g - m) / jnp.sqrt(((g - m) ** 2).mean(-1, keepdims=True) + 1e-5)).reshape(x.shape)
       return y * w[:, None] + b[:, None]
 
-    layers = {"jn": lambda x, w, b: jn.group_norm(x, 8, w, b), "jnp": ref}
+    layers = {"jn": lambda x, w, b: jn.group_norm(x, 8, w, b, implementation=implementation),
+              "jnp": ref}
   else:
     x, w, b = X, W, B
     centered = kind == "layer_norm"
-    layers = {"jn": (lambda x, w, b: jn.layer_norm(x, w, b)) if centered else
-                    (lambda x, w, b: jn.rms_norm(x, w, eps=1e-5) + b),
+    layers = {"jn": (lambda x, w, b: jn.layer_norm(x, w, b, implementation=implementation))
+                    if centered else
+                    (lambda x, w, b: jn.rms_norm(x, w, eps=1e-5, implementation=implementation) + b),
               "jnp": lambda x, w, b: _ref_ln(x, w, b, centered)}
   results = {}
   for name, layer in layers.items():
     local = lambda x, w, b: jax.grad(lambda *a: jnp.sum(jnp.sin(layer(*a))),
                                      argnums=(0, 1, 2))(x, w, b)
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P(), P()),
-                              out_specs=(P("d"), P(), P())))
+                              out_specs=(P("d"), P(), P()), check_vma=check_vma))
     results[name] = f(x, w, b)
   _close(results["jn"], results["jnp"], atol=1e-3)
+
+
+@eight
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_shard_map_training_step_of_the_issue(impl):
+  """The multi-device issue's example: a (2, 4) mesh, x over both axes, psum-ed loss."""
+  mesh = _mesh((2, 4), ("data", "seq"))
+  with _implementation(impl) as implementation:
+    f = jax.shard_map(
+        lambda x, w, b: jax.lax.psum(
+            jnp.sum(jn.layer_norm(x, w, b, implementation=implementation) ** 2), ("data", "seq")),
+        mesh=mesh, in_specs=(P("data", "seq", None), P(), P()), out_specs=P())
+    got = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(X, W, B)
+  want = jax.grad(lambda x, w, b: jnp.sum(_ref_ln(x, w, b) ** 2), argnums=(0, 1, 2))(X, W, B)
+  _close(got, want, atol=1e-3)
+
+
+def _every_op(implementation):
+  """``f(x, dy, w, b) -> outputs`` of every public op and layer, on local shapes."""
+  impl = dict(implementation=implementation)
+  eps = 1e-5
+
+  def ops(x, dy, w, b):
+    h = x.shape[-1]
+    y, mean, rstd = jn.layer_norm_fwd(x, h, w, b, eps, **impl)
+    outs = [y, mean, rstd]
+    outs += jn.layer_norm_backward(dy, x, h, mean, rstd, w, b, **impl)
+    outs += jn.layer_norm_backward(dy, x, h, mean, rstd, w, b, output_mask=(False, True, False),
+                                   **impl)[1:2]
+    yr, rr = jn.rms_norm_fwd(x, h, w, eps, **impl)
+    outs += [yr, rr] + list(jn.rms_norm_backward(dy, x, h, rr, w, **impl))
+    var = 1.0 / rstd ** 2 - eps
+    pd_x, res = jn.layer_norm_grad(dy, x, var, mean, w, eps, **impl)
+    outs += [pd_x, res] + list(jn.layer_norm_grad_beta(dy, res, h, **impl))
+    outs += jn.layer_norm_backward_from_normalized(dy, w, res, 1.0 / rstd, **impl)
+    n, c, s = x.shape[0], 16, x.shape[1] * h // 16
+    gx, gdy = x.reshape(n, c, s), dy.reshape(n, c, s)
+    for channels_last in (False, True):
+      gy, gm, gr = jn.group_norm_fwd(gx, w[:c], b[:c], n, c, s, 4, eps,
+                                     channels_last=channels_last, **impl)
+      outs += [gy, gm, gr] + list(jn.group_norm_backward(
+          gdy, gx, gm, gr, w[:c], n, c, s, 4, channels_last=channels_last, **impl))
+    layer = lambda x, w, b: jnp.sum(jnp.sin(jn.layer_norm(x, w, b, save="normalized", **impl)))
+    outs += jax.grad(layer, argnums=(0, 1, 2))(x, w, b)
+    return [o for o in outs if o is not None]
+
+  return ops
+
+
+@eight
+@pytest.mark.parametrize("impl", ["pallas", "pallas-tpu"])
+def test_shard_map_every_op_pallas_equals_ffi(impl):
+  """Each op inside shard_map (x, dy sharded; parameters replicated), checked for types:
+  the Pallas kernels give the CPU kernels' results. Per-device outputs are
+  stacked (a parameter gradient: one local partial per device)."""
+  mesh = _mesh((8,), ("d",))
+  dy = _normal(15, X.shape)
+
+  def run(implementation):
+    ops = _every_op(implementation)
+    n_out = len(jax.eval_shape(ops, X[:2], dy[:2], W, B))
+    f = jax.shard_map(lambda *a: [o[None] for o in ops(*a)], mesh=mesh,
+                      in_specs=(P("d"), P("d"), P(), P()), out_specs=[P("d")] * n_out)
+    return jax.jit(f)(X, dy, W, B)
+
+  want = run("ffi")
+  with _implementation(impl) as implementation:
+    got = run(implementation)
+  assert len(got) == len(want) > 30
+  _close(got, want, atol=1e-3)
+
+
+@eight
+@pytest.mark.parametrize("impl", ["pallas", "pallas-tpu"])
+def test_sharded_jit_runs_the_pallas_kernels_partitioned(impl):
+  """The partitioning rule with the Pallas kernels (interpreted): local rows, one all-reduce."""
+  mesh = _mesh((8,), ("d",))
+  with _implementation(impl) as implementation:
+    loss = lambda x, w, b: jnp.sum(jn.layer_norm(x, w, b, implementation=implementation) ** 2
+                                   * jnp.cos(jnp.arange(64)))
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    args = (_put(X, mesh, "d"), _put(W, mesh), _put(B, mesh))
+    got = g(*args)
+    hlo = _hlo(g, *args)
+  _close(got, jax.grad(lambda x, w, b: jnp.sum(_ref_ln(x, w, b) ** 2 * jnp.cos(jnp.arange(64))),
+                       argnums=(0, 1, 2))(X, W, B), atol=1e-3)
+  assert "all-gather" not in hlo and "all-reduce(" in hlo
+
+
+@eight
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_export_of_the_shard_map_step_for_accelerators(platform, check_vma):
+  """The README's multi-device export recipe lowers the accelerator kernels on an 8-device mesh."""
+  mesh = _mesh((2, 4), ("data", "seq"))
+  local = jax.grad(_ln_loss, argnums=(0, 1, 2))
+  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data", "seq"), P(), P()),
+                            out_specs=(P("data", "seq"), P(), P()), check_vma=check_vma))
+  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jn.FallbackWarning)
+    exported = jax.export.export(f, platforms=[platform],
+                                 disabled_checks=jn.export_safety_checks() + [triton])(X, W, B)
+  text = exported.mlir_module()
+  assert exported.nr_devices == 8
+  assert ("__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call") in text
+  assert "jax_normgrad_norm_bwd" in text and "custom_call @jax_normgrad_" not in text
+  assert "all_gather" not in text
+  # The replicated parameters' gradients: psum-ed under check_vma=True; with
+  # check_vma=False shard_map leaves that to the user, as for a jnp layer.
+  assert ("all_reduce" in text) == check_vma
 
 
 @eight

@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_normgrad import _compat
 from jax_normgrad.pallas import config
 
 F32 = jnp.float32
@@ -71,6 +73,19 @@ class Segments:
   def per_group(self) -> int:
     """Samples per parameter group."""
     return self.n // self.param_groups
+
+
+def typed_like(out_shapes, operands):
+  """The ``out_shape`` of a ``pallas_call``, varying inside ``shard_map`` like its operands.
+
+  With ``check_vma=True`` Pallas needs every result's varying mesh axes; a
+  kernel's results vary over those of the operand that varies most (the
+  primitives' operands all vary alike: ``_sharding.match_varying``; arrays a
+  lowering makes itself, such as zero statistics, vary over none).
+  """
+  operands = [a for a in operands if a is not None]
+  like = max(operands, key=lambda a: len(_compat.varying_axes(jax.typeof(a))))
+  return [_compat.struct_like(s.shape, s.dtype, like) for s in out_shapes]
 
 
 def unpack(operands, *present: bool):

@@ -111,9 +111,10 @@ class _Launch:
     """``pallas_call`` over this launch's grid; None operands are left out."""
     params = pltriton.CompilerParams(num_warps=self.plan.num_warps,
                                      num_stages=self.plan.num_stages)
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=self.grid, interpret=interpret,
-                          compiler_params=params, name=name)(
-                              *[a for a in operands if a is not None])
+    operands = [a for a in operands if a is not None]
+    return pl.pallas_call(kernel, out_shape=common.typed_like(out_shape, operands),
+                          grid=self.grid, interpret=interpret, compiler_params=params,
+                          name=name)(*operands)
 
 
 # ----------------------------------------------------------------------------
@@ -300,7 +301,8 @@ def _sum_partials(partials, *, interpret: bool):
   blocks = config.cdiv(c, width)
   return pl.pallas_call(
       functools.partial(_sum_partials_kernel, blocks=blocks, width=width),
-      out_shape=jax.ShapeDtypeStruct((w, c), F32), grid=(w * blocks,), interpret=interpret,
+      out_shape=common.typed_like([jax.ShapeDtypeStruct((w, c), F32)], [partials])[0],
+      grid=(w * blocks,), interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       name="jax_normgrad_sum_partials")(partials)
 

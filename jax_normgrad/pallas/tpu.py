@@ -294,7 +294,7 @@ def _call(lay: _Layout, order, kernel, inputs, outputs, *, interpret, name, scra
   semantics = tuple(pltpu.PARALLEL if a in _PARALLEL else pltpu.ARBITRARY for a in order)
   return pl.pallas_call(
       kernel,
-      out_shape=[s for _, s in outputs],
+      out_shape=common.typed_like([s for _, s in outputs], [a for _, a in inputs]),
       grid=lay.grid(order),
       in_specs=[lay.spec(k, order) for k, _ in inputs],
       out_specs=[lay.spec(k, order) for k, _ in outputs],

@@ -8,7 +8,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 from jax.sharding import PartitionSpec
 
-from jax_normgrad import _implementation, _sharding
+from jax_normgrad import _compat, _implementation, _sharding
 
 
 def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None,
@@ -44,8 +44,7 @@ def _with_varying_axes(abstract_eval):
   def rule(*avals, **params):
     outs = abstract_eval(*avals, **params)
     ref = avals[0] if avals else None
-    mat = getattr(ref, "mat", None)
-    if mat is None or not mat.varying:
+    if ref is None or not _compat.varying_axes(ref):
       return outs
     return [ref.update(shape=o.shape, dtype=o.dtype, weak_type=False,
                        sharding=ref.sharding.update(spec=PartitionSpec(*[None] * o.ndim)))
