@@ -55,14 +55,19 @@ def jnp_layer_norm(x, weight, bias, eps=1e-5):
   return y.astype(x.dtype)
 
 
-def jnp_group_norm(x, groups, weight, bias, eps=1e-5):
-  """NCHW GroupNorm."""
-  n, c = x.shape[:2]
-  xb = x.reshape(n, groups, -1).astype(jnp.float32)
-  mean = jnp.mean(xb, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(xb - mean), axis=-1, keepdims=True)
+def jnp_group_norm(x, groups, weight, bias, eps=1e-5, channels_last=False):
+  """GroupNorm of NCHW ``x`` (NHWC with ``channels_last``)."""
+  if channels_last:
+    n, c = x.shape[0], x.shape[-1]
+    xb = x.reshape(n, -1, groups, c // groups).astype(jnp.float32)
+    axes, shape = (1, 3), (1,) * (x.ndim - 1) + (c,)
+  else:
+    n, c = x.shape[:2]
+    xb = x.reshape(n, groups, -1).astype(jnp.float32)
+    axes, shape = (2,), (1, c) + (1,) * (x.ndim - 2)
+  mean = jnp.mean(xb, axis=axes, keepdims=True)
+  var = jnp.mean(jnp.square(xb - mean), axis=axes, keepdims=True)
   y = ((xb - mean) * jax.lax.rsqrt(var + eps)).reshape(x.shape)
-  shape = (1, c) + (1,) * (x.ndim - 2)
   return (y * weight.reshape(shape) + bias.reshape(shape)).astype(x.dtype)
 
 
@@ -148,23 +153,27 @@ def rms_norm_workload(rows: int, hidden: int, dtype=jnp.float32, seed: int = 0) 
 
 
 def group_norm_workload(n: int, c: int, h: int, w_: int, groups: int, dtype=jnp.float32,
-                        seed: int = 0) -> Workload:
+                        seed: int = 0, channels_last: bool = False) -> Workload:
+  """GroupNorm of an ``(n, c, h, w_)`` NCHW tensor, or ``(n, h, w_, c)`` with ``channels_last``."""
   k = jax.random.split(jax.random.key(seed), 4)
-  shape = (n, c, h, w_)
+  shape = (n, h, w_, c) if channels_last else (n, c, h, w_)
   x = jax.random.normal(k[0], shape, jnp.float32).astype(dtype)
   dy = jax.random.normal(k[1], shape, jnp.float32).astype(dtype)
   g = (1 + 0.1 * jax.random.normal(k[2], (c,))).astype(dtype)
   b = (0.1 * jax.random.normal(k[3], (c,))).astype(dtype)
   hw = h * w_
-  _, mean, rstd = jn.group_norm_fwd(x, g, b, n, c, hw, groups)
-  ours_bwd = jax.jit(lambda dy, x, m, r, g: jn.group_norm_backward(dy, x, m, r, g, n, c, hw, groups))
-  ours_fwd = jax.jit(lambda x, g, b: jn.group_norm_fwd(x, g, b, n, c, hw, groups))
-  ref = lambda x, g, b: jnp_group_norm(x, groups, g, b)
-  ours = lambda x, g, b: jn.group_norm(x, groups, g, b)
+  cl = dict(channels_last=channels_last)
+  _, mean, rstd = jn.group_norm_fwd(x, g, b, n, c, hw, groups, **cl)
+  ours_bwd = jax.jit(lambda dy, x, m, r, g: jn.group_norm_backward(dy, x, m, r, g, n, c, hw, groups,
+                                                                   **cl))
+  ours_fwd = jax.jit(lambda x, g, b: jn.group_norm_fwd(x, g, b, n, c, hw, groups, **cl))
+  ref = lambda x, g, b: jnp_group_norm(x, groups, g, b, **cl)
+  ours = lambda x, g, b: jn.group_norm(x, groups, g, b, channel_axis=-1 if channels_last else 1)
   loss = lambda f: lambda x, g, b, dy: jnp.vdot(f(x, g, b).astype(jnp.float32), dy.astype(jnp.float32))
   grad = lambda f: jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))
+  layout = "x".join(map(str, shape)) + (" NHWC" if channels_last else "")
   return Workload(
-      name=f"GroupNorm {n}x{c}x{h}x{w_} g{groups} {jnp.dtype(dtype).name}",
+      name=f"GroupNorm {layout} g{groups} {jnp.dtype(dtype).name}",
       nbytes_bwd=3 * x.size * x.dtype.itemsize,
       nbytes_fwd=2 * x.size * x.dtype.itemsize,
       ours_bwd=(ours_bwd, (dy, x, mean, rstd, g)),

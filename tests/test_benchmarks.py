@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_cpu.py's row measurement on tiny shapes (no timing asserted)."""
+"""Smoke tests of benchmarks/bench_cpu.py and bench_gpu.py on tiny shapes (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -59,3 +59,43 @@ def test_cpu_model_names_the_caches(bench_cpu):
   assert isinstance(model, str)
   if pathlib.Path("/sys/devices/system/cpu/cpu0/cache/index0").exists():
     assert "L1" in model
+
+
+# ----------------------------------------------------------------------------
+# benchmarks/bench_gpu.py on the CPU, tiny shapes: the script a GPU machine runs first.
+
+
+def _load_script(name):
+  path = _SCRIPT.parent / name
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_bench_gpu_smoke_run_writes_every_column(tmp_path, capsys):
+  import json
+  bench_gpu = _load_script("bench_gpu.py")
+  out = tmp_path / "gpu.json"
+  assert bench_gpu.main(["--smoke", "--iters", "2", "--rounds", "1", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  rows = result["rows"]
+  assert [r["kind"] for r in rows] == [k for k, _, _ in bench_gpu.SMOKE_ROWS]
+  assert {"jax", "jax_normgrad"} <= set(result["versions"]) and result["machine"]["platform"]
+  for r in rows:
+    assert r["copy_gbs"] > 0
+    for v in bench_gpu.VARIANTS:
+      assert r[f"{v}_vs_xla"] == pytest.approx(r[f"{v}_xla_ms"] / r[f"{v}_ours_ms"])
+      for who in ("ours", "xla"):
+        assert r[f"{v}_{who}_of_copy"] == pytest.approx(r[f"{v}_{who}_gbs"] / r["copy_gbs"])
+  assert "GroupNorm 2x3x5x6 NHWC g3 bfloat16" in capsys.readouterr().out
+
+
+def test_bench_gpu_rows_are_the_issues():
+  bench_gpu = _load_script("bench_gpu.py")
+  names = {(k, s, jnp.dtype(d).name) for k, s, d in bench_gpu.ROWS}
+  for kind in ("ln", "rms"):
+    for shape in ((32768, 1024), (16384, 4096), (4096, 16384)):
+      assert {(kind, shape, "bfloat16"), (kind, shape, "float32")} <= names
+  assert ("gn", (8, 256, 64, 64, 32), "float32") in names
+  assert ("gn_nhwc", (8, 256, 64, 64, 32), "float32") in names

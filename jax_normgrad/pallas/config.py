@@ -12,6 +12,11 @@ live (x, dy, xhat, g, dx and two accumulators), and an SM has 64K 32-bit
 registers, so a fused backward tile is at most 8192 elements; the forward
 keeps about three and may use 16384. A longer segment is looped over in
 chunks of that size (a second pass for the statistics it needs first).
+The warp counts and programs per SM below are set from what Triton compiles
+these tiles to (registers, spills, resident blocks per SM, 128-bit loads):
+``docs/gpu-resources.md``, regenerated with no GPU by ``python
+tests/accel_check.py --gpu-report docs/gpu-resources.md``; CI fails on any
+spill or on a persistent grid that would not be resident at once.
 
 TPU (Mosaic). A block of at most ``tpu_block_elems`` elements after padding
 to the (8, 128) vreg tiling (16 sublanes for 16-bit types): x, dy and dx
@@ -40,8 +45,23 @@ class Tuning:
   gpu_default_sms: int = 132
   #: Warps of persistent programs per SM: half of the 64 an SM can hold, so
   #: that loads of one program overlap the arithmetic of another while the
-  #: float32 working set still fits the registers.
+  #: float32 working set still fits the registers. Every program this plans
+  #: is resident at once: programs of 16 or fewer warps hold at most 8
+  #: elements per thread and compile to at most 64 registers (2 x 16 warps x
+  #: 64 = the SM's 64K registers); 32-warp programs run one per SM.
   gpu_warps_per_sm: int = 32
+  #: Most warps of one GPU program: 32 (1024 threads, Triton's and CUDA's
+  #: limit). Capped at 16 (until 2026-11-25), the largest tiles (8192
+  #: backward, 16384 forward) held 16-32 elements per thread and compiled to
+  #: 68-113 registers: one 16-warp program per SM, a quarter of its 64 warps,
+  #: while the grid planned two (a second wave), and 2 kernels spilled on
+  #: sm_80. At 32 warps they hold 8-16 elements and compile to 31-64
+  #: registers with no spills (docs/gpu-resources.md): twice the warps resident.
+  gpu_max_warps: int = 32
+  #: Most warps of the chunked backward's statistics kernel, which keeps two
+  #: tile-shaped float32 sums across its chunks: at 32 warps (64 registers at
+  #: most) ptxas spilled 8-40 bytes of them; at 16 it uses 64-114 registers, no spills.
+  gpu_max_warps_stats: int = 16
   #: Tiles up to this many elements are software-pipelined (num_stages=2).
   gpu_small_tile: int = 2048
   #: Persistent programs of the interpreter (CPU tests): few, to keep it fast,
@@ -101,12 +121,14 @@ class GpuPlan:
     chunks: tiles per segment along each axis; ``(1, 1)`` is the fused case
       (the whole segment in registers, x and dy read once).
     num_warps, num_stages: Triton launch parameters.
+    stats_warps: ``num_warps`` of the chunked backward's statistics kernel.
   """
 
   tile: tuple[int, int]
   chunks: tuple[int, int]
   num_warps: int
   num_stages: int
+  stats_warps: int
 
   @property
   def fused(self) -> bool:
@@ -117,7 +139,8 @@ def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool) -> GpuP
   """Tiles a segment: the whole of it if it fits, else halving the longer tile side.
 
   ``num_warps`` gives each thread about 16 bytes of every input per tile
-  (one vectorized load: 4 float32 or 8 16-bit elements), 1 to 16 warps.
+  (one 128-bit load: 4 float32 or 8 16-bit elements), 1 to ``gpu_max_warps``
+  warps; the largest tiles reach the cap and hold 8-16 elements per thread.
   """
   t = current()
   limit = t.gpu_max_tile_bwd if backward else t.gpu_max_tile_fwd
@@ -129,9 +152,10 @@ def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool) -> GpuP
       tb //= 2
   elems = ta * tb
   per_thread = max(16 // itemsize, 1)
-  num_warps = min(max(elems // (32 * per_thread), 1), 16)
+  num_warps = min(max(elems // (32 * per_thread), 1), t.gpu_max_warps)
   return GpuPlan(tile=(ta, tb), chunks=(cdiv(segment[0], ta), cdiv(segment[1], tb)),
-                 num_warps=num_warps, num_stages=2 if elems <= t.gpu_small_tile else 1)
+                 num_warps=num_warps, num_stages=2 if elems <= t.gpu_small_tile else 1,
+                 stats_warps=min(num_warps, t.gpu_max_warps_stats))
 
 
 @functools.lru_cache(maxsize=None)

@@ -107,9 +107,10 @@ class _Launch:
     idx, mask = self.channels(g, kc)
     return [None if r is None else self.per_channel(_load(r.at[w, idx], mask)) for r in refs]
 
-  def call(self, kernel, out_shape, *operands, interpret: bool, name: str):
+  def call(self, kernel, out_shape, *operands, interpret: bool, name: str,
+           num_warps: int | None = None):
     """``pallas_call`` over this launch's grid; None operands are left out."""
-    params = pltriton.CompilerParams(num_warps=self.plan.num_warps,
+    params = pltriton.CompilerParams(num_warps=num_warps or self.plan.num_warps,
                                      num_stages=self.plan.num_stages)
     operands = [a for a in operands if a is not None]
     return pl.pallas_call(kernel, out_shape=common.typed_like(out_shape, operands),
@@ -212,18 +213,21 @@ def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool):
     mean = mean_ref[i, g] if seg.centered else None
     rstd = rstd_ref[i, g]
 
+    # Tile-shaped partial sums, reduced across the block once per segment rather than
+    # once per chunk (a block-wide reduction is a barrier). Masked-off elements are 0.
     def chunk(k, sums):
       kc, ks = launch.chunk(k)
       idx, mask = launch.window(g, kc, ks)
       gamma, = launch.params((gamma_ref,), w, g, kc)
       xhat, gg = common.xhat_and_g(_load(x_ref.at[(i,) + idx], mask),
                                    _load(dy_ref.at[(i,) + idx], mask), mean, rstd, gamma)
-      return sums[0] + jnp.sum(gg), sums[1] + jnp.sum(gg * xhat)
+      return (sums[0] + gg if seg.centered else sums[0]), sums[1] + gg * xhat
 
-    s1, s2 = _loop(0, launch.chan_chunks * launch.space_chunks, chunk, (jnp.float32(0),) * 2)
+    zeros = jnp.zeros(launch.plan.tile, F32)
+    s1, s2 = _loop(0, launch.chan_chunks * launch.space_chunks, chunk, (zeros, zeros))
     if seg.centered:
-      c1_ref[i, g] = s1 / seg.count
-    c2_ref[i, g] = s2 / seg.count
+      c1_ref[i, g] = jnp.sum(s1) / seg.count
+    c2_ref[i, g] = jnp.sum(s2) / seg.count
     return carry
 
   _loop(start, end, sample, 0)
@@ -317,7 +321,8 @@ def backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret:
     stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
     cs = launch.call(functools.partial(_bwd_stats_kernel, launch=launch, has_gamma=has_gamma),
                      [stats] * (1 + seg.centered), dy, x, mean, rstd, gamma,
-                     interpret=interpret, name="jax_normgrad_norm_bwd_stats")
+                     interpret=interpret, name="jax_normgrad_norm_bwd_stats",
+                     num_warps=plan.stats_warps)
     c1, c2 = cs if seg.centered else (None, cs[0])
   partial = jax.ShapeDtypeStruct((seg.param_groups, launch.programs, seg.channels), F32)
   out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] if mask[0] else []) + [

@@ -1,0 +1,166 @@
+"""GPU benchmark: jax_normgrad's kernels against XLA's autodiff of jnp layers and the copy roof.
+
+Run from the repository root on a machine with a GPU, after installing the
+package (on the project's GPU machine: ``pip install --no-build-isolation
+--no-deps .``, the CPU extension being optional there):
+
+    python benchmarks/bench_gpu.py                        # every row, JSON to benchmarks/recorded/
+    python benchmarks/bench_gpu.py --out gpu.json --rounds 5 --iters 50
+    python benchmarks/bench_gpu.py --only ln              # the rows whose name has "ln"
+
+For each row (LayerNorm and RMSNorm 32768x1024, 16384x4096, 4096x16384 in
+bfloat16 and float32; GroupNorm 8x256x64x64 with 32 groups, NCHW and NHWC) it
+measures, in interleaved rounds within one process:
+
+* the forward with statistics and the backward of this package
+  (``layer_norm_fwd`` / ``layer_norm_backward``, the RMSNorm and GroupNorm
+  equivalents: the kernels alone) and of XLA (the jitted jnp layer; its
+  autodiff pullback with the residuals computed once);
+* ``jax.grad`` of each layer (forward + backward, as in training);
+* a device-to-device copy of x (read x, write a new buffer): the copy roof.
+
+Every figure is a median of ``--iters`` calls after warm-up, each call ended
+by ``block_until_ready``. Bandwidth figures count the bytes a kernel must
+move: forward x read and y written, backward x and dy read and dx written
+(the statistics and parameters are small); ``*_of_copy`` is that bandwidth
+over the copy's (read + write) in the same run. The JSON holds every row,
+the machine (device kind, SM count), the versions and the command.
+
+On a machine with no GPU the script runs on the CPU (``--smoke`` uses tiny
+shapes: ``tests/test_benchmarks.py`` runs it so), so that the first run on a
+GPU measures instead of debugging the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_normgrad import _bench
+
+# (kind, shape, dtype); GroupNorm shapes are (n, c, h, w, groups).
+ROWS = [
+    *[(kind, shape, dtype)
+      for dtype in (jnp.bfloat16, jnp.float32)
+      for kind in ("ln", "rms")
+      for shape in ((32768, 1024), (16384, 4096), (4096, 16384))],
+    ("gn", (8, 256, 64, 64, 32), jnp.float32),
+    ("gn_nhwc", (8, 256, 64, 64, 32), jnp.float32),
+    ("gn", (8, 256, 64, 64, 32), jnp.bfloat16),
+    ("gn_nhwc", (8, 256, 64, 64, 32), jnp.bfloat16),
+]
+# The same kinds at tiny sizes, odd widths included (CPU smoke test).
+SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("rms", (16, 72), jnp.bfloat16),
+              ("gn", (2, 6, 3, 5, 3), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.bfloat16)]
+VARIANTS = ("fwd", "bwd", "grad")
+
+
+def workload(kind: str, shape: tuple, dtype) -> _bench.Workload:
+  if kind == "ln":
+    return _bench.layer_norm_workload(*shape, dtype)
+  if kind == "rms":
+    return _bench.rms_norm_workload(*shape, dtype)
+  return _bench.group_norm_workload(*shape, dtype, channels_last=kind == "gn_nhwc")
+
+
+def _copy(x):
+  # A jitted function cannot return its (undonated) argument's buffer, so XLA copies x
+  # into a new one: one read and one write of x.
+  return jnp.copy(x)
+
+
+def measure(kind: str, shape: tuple, dtype, *, iters: int, rounds: int) -> dict:
+  """One row: medians over ``rounds`` interleaved rounds of ``iters / rounds`` calls each."""
+  wl = workload(kind, shape, dtype)
+  x = wl.xla_fwd[1][0]
+  copy = (jax.jit(_copy), (x,))
+  per_round = max(1, -(-iters // rounds))
+  samples: dict[str, list[float]] = {}
+  for r in range(rounds):
+    warmup = 3 if r == 0 else 1
+    for name, variant in [("copy", copy)] + [
+        (f"{v}_{who}", getattr(wl, f"{who}_{v}")) for v in VARIANTS for who in ("ours", "xla")]:
+      fn, args = variant
+      samples.setdefault(name, []).extend(
+          _bench.call_times_ms(fn, *args, warmup=warmup, iters=per_round))
+  row = {"workload": wl.name, "kind": kind, "shape": list(shape), "dtype": jnp.dtype(dtype).name,
+         "rounds": rounds, "calls": per_round * rounds}
+  for name, times in samples.items():
+    row[f"{name}_ms"] = float(np.median(times))
+  copy_bytes = 2 * x.size * x.dtype.itemsize
+  row["copy_gbs"] = copy_bytes / (row["copy_ms"] * 1e-3) / 1e9
+  nbytes = {"fwd": wl.nbytes_fwd, "bwd": wl.nbytes_bwd,
+            "grad": wl.nbytes_fwd + wl.nbytes_bwd}  # forward, then backward
+  for v in VARIANTS:
+    for who in ("ours", "xla"):
+      gbs = nbytes[v] / (row[f"{v}_{who}_ms"] * 1e-3) / 1e9
+      row[f"{v}_{who}_gbs"] = gbs
+      row[f"{v}_{who}_of_copy"] = gbs / row["copy_gbs"]
+    row[f"{v}_vs_xla"] = row[f"{v}_xla_ms"] / row[f"{v}_ours_ms"]
+  return row
+
+
+def print_table(rows: list[dict], out=sys.stdout) -> None:
+  head = ("| row | copy GB/s | fwd ours ms (of copy) | fwd XLA ms | fwd vs XLA | bwd ours ms (of copy) "
+          "| bwd XLA ms | bwd vs XLA | grad ours ms | grad XLA ms | grad vs XLA |")
+  print(head, file=out)
+  print("|" + " --- |" * (head.count("|") - 1), file=out)
+  for r in rows:
+    print(f"| {r['workload']} | {r['copy_gbs']:.0f} "
+          f"| {r['fwd_ours_ms']:.3f} ({r['fwd_ours_of_copy']:.0%}) | {r['fwd_xla_ms']:.3f} "
+          f"| {r['fwd_vs_xla']:.2f}x "
+          f"| {r['bwd_ours_ms']:.3f} ({r['bwd_ours_of_copy']:.0%}) | {r['bwd_xla_ms']:.3f} "
+          f"| {r['bwd_vs_xla']:.2f}x | {r['grad_ours_ms']:.3f} | {r['grad_xla_ms']:.3f} "
+          f"| {r['grad_vs_xla']:.2f}x |", file=out)
+
+
+def machine() -> dict:
+  dev = jax.devices()[0]
+  return {"platform": dev.platform, "device_kind": getattr(dev, "device_kind", "?"),
+          "core_count": getattr(dev, "core_count", None), "devices": len(jax.devices())}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", type=pathlib.Path, help="JSON path (default: benchmarks/recorded/"
+                      "gpu_<date>_<device>.json)")
+  parser.add_argument("--iters", type=int, default=40, help="timed calls per variant (all rounds)")
+  parser.add_argument("--rounds", type=int, default=4)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU smoke test)")
+  parser.add_argument("--only", default="", help="run the rows whose name contains this text")
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu" and not args.smoke:
+    print(f"note: no GPU ({jax.default_backend()}); these are not GPU figures", file=sys.stderr)
+  rows = []
+  for kind, shape, dtype in (SMOKE_ROWS if args.smoke else ROWS):
+    name = f"{kind} {'x'.join(map(str, shape))} {jnp.dtype(dtype).name}"
+    if args.only and args.only not in name:
+      continue
+    t0 = time.perf_counter()
+    row = measure(kind, shape, dtype, iters=args.iters, rounds=args.rounds)
+    rows.append(row)
+    print(f"{row['workload']}: bwd {row['bwd_ours_ms']:.3f} ms ({row['bwd_vs_xla']:.2f}x XLA, "
+          f"{row['bwd_ours_of_copy']:.0%} of copy), fwd {row['fwd_ours_ms']:.3f} ms "
+          f"({row['fwd_vs_xla']:.2f}x XLA) [{time.perf_counter() - t0:.1f} s]", file=sys.stderr)
+  print_table(rows)
+  info = machine()
+  result = {"date": datetime.date.today().isoformat(), "machine": info,
+            "versions": _bench.versions(), "command": " ".join(sys.argv), "rows": rows}
+  out = args.out or (pathlib.Path(__file__).parent / "recorded" /
+                     f"gpu_{result['date']}_{info['device_kind'].replace(' ', '_')}.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1))
+  print(f"wrote {out}", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,128 @@
+"""Every Pallas kernel compiled by Triton (sm_80, sm_90) and by libtpu's Mosaic (v4 to v6e), no accelerator.
+
+See ``accel_check`` for how. Where the tools are missing (``pip install
+".[accel-check]"``) the tests skip with the reason; CI sets
+``JAX_NORMGRAD_REQUIRE_ACCEL_CHECK=1``, which turns that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import accel_check as ac
+
+REQUIRED = os.environ.get("JAX_NORMGRAD_REQUIRE_ACCEL_CHECK") == "1"
+MISSING = ac.tools_missing()
+
+
+def test_tools_present_where_required():
+  if MISSING and REQUIRED:
+    pytest.fail(f"JAX_NORMGRAD_REQUIRE_ACCEL_CHECK=1 but the check cannot run: {MISSING}")
+  if MISSING:
+    pytest.skip(MISSING)
+
+
+needs_tools = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
+CASE_IDS = [c.name for c in ac.CASES]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kernel, arch):
+  return ac.compile_triton(kernel, arch)
+
+
+@needs_tools
+@pytest.mark.parametrize("case", ac.CASES, ids=CASE_IDS)
+def test_triton_kernels_compile_without_spills(case):
+  kernels = ac.triton_kernels(case)
+  for kernel in kernels:
+    for arch in ac.GPU_ARCHS:
+      r = _compiled(kernel, arch)
+      assert r.local_bytes == 0, (kernel.name, arch, r)
+      assert r.registers <= 255 and r.blocks_per_sm >= 1, (kernel.name, arch, r)
+
+
+@needs_tools
+def test_row_kernels_move_rows_by_128_bit_accesses():
+  """x, dy and dx move 16 bytes per thread where rows are 16-byte aligned (4096 float32)."""
+  case = next(c for c in ac.CASES if c.name == "grad(layer_norm) 64x4096 float32")
+  for kernel in ac.triton_kernels(case):
+    if kernel.name in ("jax_normgrad_norm_fwd", "jax_normgrad_norm_bwd"):
+      r = _compiled(kernel, 90)
+      assert r.loads_128 >= 2 and r.stores_128 >= 1, (kernel.name, r)
+
+
+@needs_tools
+@pytest.mark.parametrize("case", ac.CASES, ids=CASE_IDS)
+def test_persistent_grids_are_resident_at_once(case):
+  """The tile heuristics' plan holds: every program of a persistent kernel's grid fits on the
+  SMs together (registers and warps allow that many blocks per SM), so none waits for a
+  second wave (docs/gpu-resources.md, 'per SM' <= 'blocks/SM')."""
+  for kernel in ac.triton_kernels(case):
+    if kernel.name == "jax_normgrad_sum_partials":  # not persistent: one program per column block
+      continue
+    for arch in ac.GPU_ARCHS:
+      r = _compiled(kernel, arch)
+      assert kernel.programs_per_sm <= r.blocks_per_sm, (kernel.name, arch, kernel.grid, r)
+
+
+@needs_tools
+@pytest.mark.parametrize("generation", list(ac.TPU_TOPOLOGIES))
+@pytest.mark.parametrize("case", ac.CASES, ids=CASE_IDS)
+def test_mosaic_kernels_compile(case, generation):
+  ac.compile_tpu(case, generation)
+
+
+# ----------------------------------------------------------------------------
+# A sharded training step compiled for a 4-chip TPU topology (no TPU).
+
+
+def _sharded_step(shard_map: bool):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+  import jax_normgrad as jn
+
+  mesh = Mesh(np.array(ac.tpu_device("v5e")).reshape(2, 2), ("data", "seq"),
+              axis_types=(AxisType.Auto,) * 2)
+  spec = P("data", "seq", None)
+  args = (jax.ShapeDtypeStruct((8, 256, 1024), jnp.float32, sharding=NamedSharding(mesh, spec)),
+          *[jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=NamedSharding(mesh, P()))] * 2)
+  loss = lambda x, w, b: jnp.sum(jn.layer_norm(x, w, b) ** 2)
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  if shard_map:
+    grad = jax.shard_map(grad, mesh=mesh, in_specs=(spec, P(), P()), out_specs=(spec, P(), P()))
+  return jax.jit(grad).lower(*args).compile().as_text()
+
+
+@needs_tools
+def test_tpu_shard_map_step_runs_the_kernels_on_local_rows():
+  """The layers inside shard_map on 4 chips: the Mosaic kernels, no all-gather of x, one
+  all-reduce (the replicated parameters' gradients, psum-ed by shard_map's typing)."""
+  hlo = _sharded_step(shard_map=True)
+  assert hlo.count('custom_call_target="tpu_custom_call"') >= 2
+  assert "all-gather" not in hlo
+  assert hlo.count("all-reduce(") + hlo.count("all-reduce-start(") == 1, hlo.count("all-reduce")
+
+
+@needs_tools
+def test_tpu_sharded_jit_compiles_on_the_reference_with_a_warning():
+  """Sharded jit (no shard_map) on TPU: XLA cannot partition a Mosaic kernel and JAX's
+  custom_partitioning rules do not run there (jax-ml/jax#38196, the same error on real TPUs,
+  so not an artifact of compiling without one): the reference runs, announced."""
+  import jax_normgrad as jn
+  from jax_normgrad import _implementation
+
+  _implementation._warn_once.cache_clear()  # pylint: disable=protected-access
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    hlo = _sharded_step(shard_map=False)
+  assert any(issubclass(w.category, jn.FallbackWarning) and "shard_map" in str(w.message)
+             for w in caught), [str(w.message) for w in caught]
+  assert "tpu_custom_call" not in hlo and "all-gather" not in hlo
