@@ -92,11 +92,18 @@ def test_layer_norm_bfloat16_x_streams_y(y_dtype):
 
 
 def test_layer_norm_long_rows_stream_by_column_chunks():
-  # Rows of 2^16 + 5: the backward splits them into column chunks (x and dy
-  # fit 32 MiB) and streams dx. The statistics are the block's, tiled: the
-  # forward of 2 rows takes column chunks too, that of many rows does not.
-  k, h = 2, (1 << 16) + 5
+  # Rows of 2^18 + 5: the backward of the tiled block (14 rows) splits them
+  # into column chunks, as that of the 2-row block does, and streams dx. Both
+  # take column chunks on any machine: the block's because it has few rows,
+  # the tiled one's because x and dy fit 32 MiB and a row's x and dy (2 MiB)
+  # do not fit half of any L2 up to 4 MiB (layer_norm.cc, LayerNormBwdImpl).
+  # With rows of 2^16 + 5 the tiled one took row tasks where the L2 is >= 1.05
+  # MiB (a 2 MiB-L2 Xeon), and another summation order than the block's.
+  # The statistics are the block's, tiled: the forward of 2 rows takes column
+  # chunks too, that of many rows does not.
+  k, h = 2, (1 << 18) + 5
   reps = _reps(k * h, 12)
+  assert reps * k * h * 8 <= 32 << 20 and 2 * (2 * h * 4) > 4 << 20  # the conditions above
   rng = np.random.default_rng(3)
   bx = random(rng, (k, h), jnp.float32, scale=2.0, offset=-0.5)
   bdy = random(rng, (k, h), jnp.float32)
