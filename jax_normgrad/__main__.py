@@ -126,16 +126,23 @@ def _workloads(quick: bool):
 
 
 class _TextProgress:
-  """A one-line text progress bar on stderr, for when tqdm is not installed."""
+  """A text progress bar on stderr, for when tqdm is not installed or stderr is no terminal.
 
-  def __init__(self, total: int, desc: str):
-    self.total, self.desc, self.n, self.note = total, desc, 0, ""
+  In a terminal: one line rewritten in place (``\\r``). Otherwise (a log file,
+  a pipe, CI): one plain line per step, so a log holds no ``\\r`` frames.
+  """
+
+  def __init__(self, total: int, desc: str, tty: bool = True):
+    self.total, self.desc, self.n, self.note, self.tty = total, desc, 0, "", tty
 
   def set_postfix_str(self, s: str) -> None:
     self.note = s
 
   def update(self, k: int = 1) -> None:
     self.n += k
+    if not self.tty:
+      print(f"{self.desc} {self.n}/{self.total} {self.note}", file=sys.stderr, flush=True)
+      return
     done = 20 * self.n // max(self.total, 1)
     # \r rewrites the line in a terminal; the last update ends it.
     print(f"\r{self.desc} [{'#' * done}{'.' * (20 - done)}] {self.n}/{self.total} {self.note}",
@@ -159,9 +166,14 @@ class _NoProgress:
 
 
 def _progress_bar(total: int, enabled: bool):
-  """tqdm (on stderr) when it is installed, else a text counter; a no-op when disabled."""
+  """On a terminal, tqdm when it is installed, else a text bar; elsewhere one line per step.
+
+  A no-op when disabled (--no-progress).
+  """
   if not enabled:
     return _NoProgress()
+  if not sys.stderr.isatty():
+    return _TextProgress(total, "timing", tty=False)
   try:
     from tqdm.auto import tqdm
   except ImportError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import textwrap
 from collections.abc import Iterable
 
@@ -225,3 +226,47 @@ def init_with_implementation(original):
   __init__.__signature__ = sig.replace(parameters=params[:at] + [extra] + params[at:])
   __init__.__doc__ = original.__init__.__doc__
   return __init__
+
+
+class Patch:
+  """Drop-ins put in place of a library's classes, process-wide; calling it undoes that.
+
+  Every module of ``package`` already imported (the package and its
+  submodules, e.g. ``flax.linen``, ``flax.linen.normalization`` and
+  ``flax.linen.attention``, which builds LayerNorms for its q/k normalization)
+  whose attribute is one of the original classes gets the drop-in instead,
+  so the library's public names and its own internal references agree.
+  Creating a second Patch while one is in place changes nothing (no
+  attribute holds an original any more), and its undo does nothing. Undo
+  restores only the attributes that still hold the drop-in. Also a context
+  manager: ``with patch(): ...`` undoes on exit.
+  """
+
+  def __init__(self, package: str, drop_ins):
+    pairs = [(cls.__mro__[1], cls) for cls in drop_ins]  # (original, drop-in)
+    self._replaced = []
+    for name, module in list(sys.modules.items()):
+      if module is None or not (name == package or name.startswith(package + ".")):
+        continue
+      for attr, value in list(vars(module).items()):
+        for original, drop_in in pairs:
+          if value is original:
+            setattr(module, attr, drop_in)
+            self._replaced.append((module, attr, original, drop_in))
+
+  @property
+  def replaced(self) -> list[str]:
+    """``module.attribute`` of every name this patch replaced."""
+    return [f"{m.__name__}.{attr}" for m, attr, _, _ in self._replaced]
+
+  def __call__(self) -> None:
+    for module, attr, original, drop_in in reversed(self._replaced):
+      if getattr(module, attr, None) is drop_in:
+        setattr(module, attr, original)
+    self._replaced = []
+
+  def __enter__(self) -> "Patch":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self()

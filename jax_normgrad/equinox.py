@@ -12,7 +12,12 @@ from jax_normgrad import _layers
 # fields and leaves (``weight``, ``bias``), so ``eqx.tree_serialise_leaves`` checkpoints
 # load unchanged; ``implementation`` is one more static field. Needs the ``equinox``
 # extra; ``import jax_normgrad`` does not import this module.
-__all__ = ["GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "patch"]
+
+# equinox's classes, bound once at import: ``patch()`` replaces ``equinox.nn.LayerNorm``
+# and the others, so a drop-in reaches the class it subclasses through these, never
+# through the module attribute at call time (that would call itself).
+_LayerNorm, _RMSNorm, _GroupNorm = eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm
 
 # Tells "no state passed" from any state (equinox's own marker is private).
 _NO_STATE = object()
@@ -60,7 +65,7 @@ def _call(mdl, original, x, state, key, *, centered: bool):
   return _with_state(out, state)
 
 
-class LayerNorm(eqx.nn.LayerNorm):
+class LayerNorm(_LayerNorm):
   __doc__ = f"""``equinox.nn.LayerNorm`` whose backward runs the jax_normgrad kernels.
 
   ``LayerNorm(shape, eps=1e-5, use_weight=True, use_bias=True, dtype=None, *,
@@ -79,13 +84,13 @@ class LayerNorm(eqx.nn.LayerNorm):
 
   implementation: str | None = eqx.field(static=True, default=None)
 
-  __init__ = _layers.init_with_implementation(eqx.nn.LayerNorm)
+  __init__ = _layers.init_with_implementation(_LayerNorm)
 
   def __call__(self, x, state=_NO_STATE, *, key=None):
-    return _call(self, eqx.nn.LayerNorm, x, state, key, centered=True)
+    return _call(self, _LayerNorm, x, state, key, centered=True)
 
 
-class RMSNorm(eqx.nn.RMSNorm):
+class RMSNorm(_RMSNorm):
   __doc__ = f"""``equinox.nn.RMSNorm`` whose backward runs the jax_normgrad kernels.
 
   ``RMSNorm(shape, eps=1e-5, use_weight=True, use_bias=True, dtype=None, *,
@@ -104,13 +109,13 @@ class RMSNorm(eqx.nn.RMSNorm):
 
   implementation: str | None = eqx.field(static=True, default=None)
 
-  __init__ = _layers.init_with_implementation(eqx.nn.RMSNorm)
+  __init__ = _layers.init_with_implementation(_RMSNorm)
 
   def __call__(self, x, state=_NO_STATE, *, key=None):
-    return _call(self, eqx.nn.RMSNorm, x, state, key, centered=False)
+    return _call(self, _RMSNorm, x, state, key, centered=False)
 
 
-class GroupNorm(eqx.nn.GroupNorm):
+class GroupNorm(_GroupNorm):
   __doc__ = f"""``equinox.nn.GroupNorm`` whose backward runs the jax_normgrad kernels.
 
   ``GroupNorm(groups, channels=None, eps=1e-5, channelwise_affine=True,
@@ -131,7 +136,7 @@ class GroupNorm(eqx.nn.GroupNorm):
 
   implementation: str | None = eqx.field(static=True, default=None)
 
-  __init__ = _layers.init_with_implementation(eqx.nn.GroupNorm)
+  __init__ = _layers.init_with_implementation(_GroupNorm)
 
   def __call__(self, x, state=_NO_STATE, *, key=None):
     x = jnp.asarray(x)  # as equinox's jnp code sees it
@@ -139,11 +144,11 @@ class GroupNorm(eqx.nn.GroupNorm):
     channels = x.shape[0] if x.ndim else 0
     if (not channels or channels % self.groups
         or (self.channelwise_affine and self.weight.shape != (channels,))):
-      return eqx.nn.GroupNorm.__call__(self, x, *args, key=key)  # equinox's result or error.
+      return _GroupNorm.__call__(self, x, *args, key=key)  # equinox's result or error.
     reason = _fallback_reason(x)
     if reason is not None:
       _layers.warn_fallback("jax_normgrad.equinox.GroupNorm", reason, "equinox.nn.GroupNorm")
-      return eqx.nn.GroupNorm.__call__(self, x, *args, key=key)
+      return _GroupNorm.__call__(self, x, *args, key=key)
     affine = self.channelwise_affine
     with jax.named_scope("jax_normgrad.equinox.GroupNorm"):
       out = _layers.group_norm(x, self.groups, _f32(self.weight) if affine else None,
@@ -151,3 +156,15 @@ class GroupNorm(eqx.nn.GroupNorm):
                                channels_last=False, eps=self.eps, out_dtype=x.dtype,
                                implementation=self.implementation)
     return _with_state(out, state)
+
+
+def patch() -> _layers.Patch:
+  """Replaces equinox.nn's LayerNorm, RMSNorm and GroupNorm with these drop-ins, process-wide.
+
+  ``equinox.nn.X`` (and equinox's own module of them) then refers to the
+  drop-in. Idempotent.
+  Returns an undo callable that is also a context manager. Patch before the
+  model's code is imported: ``from equinox.nn import LayerNorm`` done earlier
+  keeps equinox's class.
+  """
+  return _layers.Patch("equinox", (LayerNorm, RMSNorm, GroupNorm))

@@ -15,7 +15,12 @@ from jax_normgrad import _layers
 # checkpoints load unchanged and a fallback can call flax's ``__call__``. Only
 # ``__call__`` differs. Needs the ``flax`` extra; ``import jax_normgrad`` does not
 # import this module.
-__all__ = ["GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "patch"]
+
+# flax's classes, bound once at import: ``patch()`` replaces ``flax.linen.LayerNorm``
+# and the others, so a drop-in reaches the class it subclasses through these, never
+# through the module attribute at call time (that would call itself).
+_LayerNorm, _RMSNorm, _GroupNorm = nn.LayerNorm, nn.RMSNorm, nn.GroupNorm
 
 _COMMON_CASES = [
     "``mask`` given, or ``axis_name`` set (masked or cross-device statistics)",
@@ -94,7 +99,7 @@ def _param_dtype(mdl, name, init, shape):
   return jax.eval_shape(lambda k: init(k, shape, mdl.param_dtype), jax.random.key(0)).dtype
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(_LayerNorm):
   __doc__ = f"""``flax.linen.LayerNorm`` whose backward runs the jax_normgrad kernels.
 
   Layer normalization over ``reduction_axes`` (default: the last axis), with
@@ -117,10 +122,10 @@ class LayerNorm(nn.LayerNorm):
 
   @nn.compact
   def __call__(self, x, *, mask: jax.Array | None = None):
-    return _linen_norm(self, nn.LayerNorm, x, mask, centered=True)
+    return _linen_norm(self, _LayerNorm, x, mask, centered=True)
 
 
-class RMSNorm(nn.RMSNorm):
+class RMSNorm(_RMSNorm):
   __doc__ = f"""``flax.linen.RMSNorm`` whose backward runs the jax_normgrad kernels.
 
   Root-mean-square normalization over ``reduction_axes`` (default: the last
@@ -140,7 +145,7 @@ class RMSNorm(nn.RMSNorm):
 
   @nn.compact
   def __call__(self, x, *, mask: jax.Array | None = None):
-    return _linen_norm(self, nn.RMSNorm, x, mask, centered=False)
+    return _linen_norm(self, _RMSNorm, x, mask, centered=False)
 
 
 def _num_groups(num_groups, group_size, channels) -> int | None:
@@ -154,7 +159,7 @@ def _num_groups(num_groups, group_size, channels) -> int | None:
   return num_groups
 
 
-class GroupNorm(nn.GroupNorm):
+class GroupNorm(_GroupNorm):
   __doc__ = f"""``flax.linen.GroupNorm`` whose backward runs the jax_normgrad kernels.
 
   Channels last: x is ``(batch, ..., C)``; the C channels form ``num_groups``
@@ -185,7 +190,7 @@ class GroupNorm(nn.GroupNorm):
             else list(range(1, x.ndim - 1)) + [-1])
     groups = _num_groups(self.num_groups, self.group_size, x.shape[-1]) if x.ndim else None
     if groups is None or x.ndim - 1 not in _layers.canonical_axes(x.ndim, axes):
-      return nn.GroupNorm.__call__(self, x, mask=mask)  # flax raises its own error.
+      return _GroupNorm.__call__(self, x, mask=mask)  # flax raises its own error.
     begin, _, axes_reason = _layers.plan_axes(x, axes)
     reason = _option_reason(self, mask) or axes_reason
     names = [("scale", self.scale_init, self.use_scale), ("bias", self.bias_init, self.use_bias)]
@@ -193,10 +198,28 @@ class GroupNorm(nn.GroupNorm):
       reason = _unsupported_dtypes(self, x, [x.shape[-1]], names)
     if reason is not None:
       _layers.warn_fallback(layer, reason, "flax.linen.GroupNorm")
-      return nn.GroupNorm.__call__(self, x, mask=mask)
+      return _GroupNorm.__call__(self, x, mask=mask)
     params = [self.param(name, init, [x.shape[-1]], self.param_dtype) if used else None
               for name, init, used in names]
     out_dtype = flax_dtypes.canonicalize_dtype(x, *params, dtype=self.dtype)
     return _layers.group_norm(x, groups, *params, batch_ndim=begin, channels_last=True,
                               eps=self.epsilon, out_dtype=out_dtype,
                               implementation=self.implementation)
+
+
+def patch() -> _layers.Patch:
+  """Replaces flax.linen's LayerNorm, RMSNorm and GroupNorm with these drop-ins, process-wide.
+
+  Every name flax.linen holds them under (``flax.linen.X``,
+  ``flax.linen.normalization.X``, and ``flax.linen.attention.LayerNorm``, its
+  q/k normalization) then refers to the drop-in, so models built from flax's
+  layers (a model zoo's, a library's) run the kernels with no change to their
+  code. Idempotent. Returns an undo callable that is also a
+  context manager (``with jax_normgrad.flax.patch(): ...``).
+
+  Patch before the model's code is imported: a module that did ``from
+  flax.linen import LayerNorm`` earlier holds flax's class and keeps it.
+  Parameters, names and checkpoints are flax's (the drop-ins subclass its
+  classes); see the drop-ins for the cases where flax's own code still runs.
+  """
+  return _layers.Patch("flax.linen", (LayerNorm, RMSNorm, GroupNorm))

@@ -14,7 +14,12 @@ from jax_normgrad import _layers
 # keyword ``rngs``), their ``nnx.Param`` s and attributes, so ``nnx.state`` and
 # checkpoints are the original's; ``__init__`` only gains ``implementation``. Needs the
 # ``flax`` extra; ``import jax_normgrad`` does not import this module.
-__all__ = ["GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "patch"]
+
+# flax.nnx's classes, bound once at import: ``patch()`` replaces ``flax.nnx.LayerNorm``
+# and the others, so a drop-in reaches the class it subclasses through these, never
+# through the module attribute at call time (that would call itself).
+_LayerNorm, _RMSNorm, _GroupNorm = nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm
 
 
 def _value(p):
@@ -94,7 +99,7 @@ def _doc(original, axes_case, fast_variance=True):
   return _layers.norm_doc(original, [axes_case] + _COMMON_CASES, fast_variance)
 
 
-class LayerNorm(nnx.LayerNorm):
+class LayerNorm(_LayerNorm):
   __doc__ = f"""``flax.nnx.LayerNorm`` whose backward runs the jax_normgrad kernels.
 
   ``LayerNorm(num_features, *, epsilon=1e-6, dtype=None, param_dtype=float32,
@@ -110,13 +115,13 @@ class LayerNorm(nnx.LayerNorm):
   Raises: what ``flax.nnx.LayerNorm`` raises; see :func:`jax_normgrad.layer_norm`.
   """
 
-  __init__ = _layers.init_with_implementation(nnx.LayerNorm)
+  __init__ = _layers.init_with_implementation(_LayerNorm)
 
   def __call__(self, x, *, mask=None):
-    return _nnx_norm(self, nnx.LayerNorm, x, mask, centered=True)
+    return _nnx_norm(self, _LayerNorm, x, mask, centered=True)
 
 
-class RMSNorm(nnx.RMSNorm):
+class RMSNorm(_RMSNorm):
   __doc__ = f"""``flax.nnx.RMSNorm`` whose backward runs the jax_normgrad kernels.
 
   ``RMSNorm(num_features, *, epsilon=1e-6, dtype=None, param_dtype=float32,
@@ -131,13 +136,13 @@ class RMSNorm(nnx.RMSNorm):
   Raises: what ``flax.nnx.RMSNorm`` raises; see :func:`jax_normgrad.rms_norm`.
   """
 
-  __init__ = _layers.init_with_implementation(nnx.RMSNorm)
+  __init__ = _layers.init_with_implementation(_RMSNorm)
 
   def __call__(self, x, mask=None):
-    return _nnx_norm(self, nnx.RMSNorm, x, mask, centered=False)
+    return _nnx_norm(self, _RMSNorm, x, mask, centered=False)
 
 
-class GroupNorm(nnx.GroupNorm):
+class GroupNorm(_GroupNorm):
   __doc__ = f"""``flax.nnx.GroupNorm`` whose backward runs the jax_normgrad kernels.
 
   ``GroupNorm(num_features, num_groups=32, group_size=None, *, epsilon=1e-6,
@@ -155,14 +160,14 @@ class GroupNorm(nnx.GroupNorm):
   Raises: what ``flax.nnx.GroupNorm`` raises.
   """
 
-  __init__ = _layers.init_with_implementation(nnx.GroupNorm)
+  __init__ = _layers.init_with_implementation(_GroupNorm)
 
   def __call__(self, x, *, mask=None):
     axes = (self.reduction_axes if self.reduction_axes is not None
             else list(range(1, x.ndim - 1)) + [-1])
     channels = self.num_groups * self.group_size
     if x.ndim < 2 or x.shape[-1] != channels:
-      return nnx.GroupNorm.__call__(self, x, mask=mask)  # flax's own result or error.
+      return _GroupNorm.__call__(self, x, mask=mask)  # flax's own result or error.
     xp, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)),
                                          dtype=self.dtype)
     begin, _, axes_reason = _layers.plan_axes(xp, axes)
@@ -176,7 +181,20 @@ class GroupNorm(nnx.GroupNorm):
                                           result=out_dtype)
     if reason is not None:
       _layers.warn_fallback("jax_normgrad.nnx.GroupNorm", reason, "flax.nnx.GroupNorm")
-      return nnx.GroupNorm.__call__(self, x, mask=mask)
+      return _GroupNorm.__call__(self, x, mask=mask)
     return _layers.group_norm(_kernel_x(self, x, xp), self.num_groups, scale, bias, batch_ndim=1,
                               channels_last=True, eps=self.epsilon, out_dtype=out_dtype,
                               implementation=self.implementation)
+
+
+def patch() -> _layers.Patch:
+  """Replaces flax.nnx's LayerNorm, RMSNorm and GroupNorm with these drop-ins, process-wide.
+
+  Every name flax.nnx holds them under (``flax.nnx.X``,
+  ``flax.nnx.nn.normalization.X``, ``flax.nnx.nn.attention.LayerNorm``) then
+  refers to the drop-in. Idempotent.
+  Returns an undo callable that is also a context manager. Patch before the
+  model's code is imported: ``from flax.nnx import LayerNorm`` done earlier
+  keeps flax's class.
+  """
+  return _layers.Patch("flax.nnx", (LayerNorm, RMSNorm, GroupNorm))

@@ -28,6 +28,10 @@ def _prefer_installed_package() -> None:
 
 _prefer_installed_package()
 
+# flax's and equinox's own tests, vendored: tests/test_third_party.py runs them in a
+# subprocess under patch() (they set process-wide JAX options of their own).
+collect_ignore = ["third_party"]
+
 # The "ci" profile is the default, so the README's plain `python -m pytest -q`
 # (which CI runs verbatim) gets a fixed, derandomized example budget: the same
 # examples on every run, within the suite's time budget. Run more with

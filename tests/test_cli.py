@@ -58,10 +58,22 @@ def test_cli_timing_json_progress_and_plot(tiny, tmp_path, capsys):
 def test_cli_text_progress_without_tqdm(tiny, monkeypatch, capsys):
   monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm fails
   monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+  monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: one line, rewritten
   assert cli.main(["--quick"]) == 0
   out, err = capsys.readouterr()
   assert "4/8" in err and "[####################] 8/8" in err.splitlines()[-1]
+  assert err.count("\r") == 8
   assert "LayerNorm 64x128 float32" in out and "All checks passed." in out
+
+
+def test_cli_progress_in_a_log_is_one_line_per_step(tiny, capsys):
+  """stderr not a terminal (a log, CI; tqdm installed or not): plain lines, no \\r frames."""
+  assert cli.main(["--quick"]) == 0
+  _, err = capsys.readouterr()
+  lines = [line for line in err.splitlines() if line.startswith("timing ")]
+  assert "\r" not in err
+  assert [line.split()[1] for line in lines] == [f"{i}/8" for i in range(1, 9)]
+  assert lines[-1].endswith("RMSNorm 64x128 float32: grad xla")
 
 
 def test_cli_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys):
