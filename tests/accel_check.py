@@ -146,6 +146,16 @@ def _op_cases():
       Case("layer_norm_backward_from_normalized (InfiniOp)",
            lambda dy, w, xhat, std: jn.layer_norm_backward_from_normalized(dy, w, xhat, std),
            (dy, p, x, _s((m,)))),
+      Case("grad(group_norm) NCHW no weight/bias",
+           _grad(lambda x: jn.group_norm(x, 4), (0,)), (_s((2, 24, 5, 7)),), 2),
+      Case("group_norm_fwd NHWC", lambda x, g, b: jn.group_norm_fwd(
+          x, g, b, 2, 24, 35, 4, channels_last=True), (_s((2, 5, 7, 24)), _s((24,)), _s((24,)))),
+      *[Case(f"group_norm_backward {layout} mask={''.join('1' if k else '0' for k in mask)}",
+             lambda dy, x, m, r, g, mask=mask, cl=cl: jn.group_norm_backward(
+                 dy, x, m, r, g, 2, 24, 35, 4, mask, channels_last=cl),
+             (_s(shape), _s(shape), _s((2, 4)), _s((2, 4)), _s((24,))))
+        for layout, cl, shape in [("NCHW", False, (2, 24, 5, 7)), ("NHWC", True, (2, 5, 7, 24))]
+        for mask in [(True, False, False), (False, True, True), (False, False, True)]],
       Case("vmap(grad(layer_norm)) per-example weights",
            jax.vmap(_grad(jn.layer_norm)), (_s((3, 16, h)), _s((3, h)), _s((3, h))), 2),
       Case("vmap(grad(group_norm NHWC)) per-example weights",

@@ -250,10 +250,10 @@ def test_nnx_constructor_is_flax_constructor():
     jx.GroupNorm(8, num_groups=2, group_size=4, rngs=nnx.Rngs(0))
 
 
-def test_readme_flax_example_runs():
+def test_docs_flax_example_runs():
   import pathlib
   import re
-  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "dropins.md").read_text()
   section = readme[readme.index("## Drop-in layers"):]
   block = re.findall(r"```python\n(.+?)\n```", section, re.S)[0]
   namespace = {}
