@@ -162,9 +162,8 @@ def patch() -> _layers.Patch:
   """Replaces equinox.nn's LayerNorm, RMSNorm and GroupNorm with these drop-ins, process-wide.
 
   ``equinox.nn.X`` (and equinox's own module of them) then refers to the
-  drop-in. Idempotent.
-  Returns an undo callable that is also a context manager. Patch before the
-  model's code is imported: ``from equinox.nn import LayerNorm`` done earlier
-  keeps equinox's class.
+  drop-in. Idempotent. Returns an undo callable that is also a context
+  manager. Patch before the model's code is imported: ``from equinox.nn
+  import LayerNorm`` done earlier keeps equinox's class.
   """
   return _layers.Patch("equinox", (LayerNorm, RMSNorm, GroupNorm))

@@ -23,8 +23,9 @@ module carries it as MLIR bytecode that the ``triton`` package's MLIR does
 not read, and ``pallas_call(debug=True)`` only prints it; so the tool wraps
 ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module`` while a
 case is lowered, and reads the launch parameters from its caller. From jax 0.11 the Triton lowering
-compiles at lowering time and needs a GPU, so the GPU half runs under jax
-0.10.x (what the ``accel-check`` extra pins).
+asks for the GPU's device kind (``pallas_call_registration``: no GPU raises "No
+supported GPU devices found"; 0.10 assumed sm_90), so the GPU half runs under
+jax 0.10.x (what the ``accel-check`` extra pins).
 
 Requirements: ``pip install ".[accel-check]"`` (``triton``, ``jax[tpu]``);
 for TPU, ``TPU_WORKER_HOSTNAMES=localhost`` in the environment (set here
@@ -413,7 +414,7 @@ def tools_missing() -> str | None:
   except ImportError:
     return "libtpu is not installed (pip install '.[accel-check]')"
   if jax.__version_info__[:2] != (0, 10):
-    return (f"jax {jax.__version__}: from 0.11 the Pallas Triton lowering needs a GPU; "
+    return (f"jax {jax.__version__}: from 0.11 the Pallas Triton lowering needs a GPU's kind; "
             f"the check runs under jax 0.10.x")
   if os.environ.get("JAX_PLATFORMS", "") == "cpu":
     return "JAX_PLATFORMS=cpu resolves lax.platform_dependent for the CPU while tracing"
