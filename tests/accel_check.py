@@ -291,8 +291,9 @@ def _tools_dir() -> pathlib.Path:
   return pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
+@functools.lru_cache(maxsize=None)
 def compile_triton(kernel: TritonKernel, arch: int) -> Resources:
-  """Compiles ``kernel`` for ``sm_{arch}`` and reads its cubin."""
+  """Compiles ``kernel`` for ``sm_{arch}`` and reads its cubin (cached: cases share kernels)."""
   import triton  # pylint: disable=g-import-not-at-top
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
 
@@ -321,18 +322,16 @@ def compile_triton(kernel: TritonKernel, arch: int) -> Resources:
 
 def gpu_report(cases=None) -> list[dict]:
   """One row per (case, kernel, arch): the kernel's resources; raises on a compile error."""
-  rows, seen = [], {}
+  rows = []
   for case in cases or CASES:
     for kernel in triton_kernels(case):
       for arch in GPU_ARCHS:
-        key = (kernel, arch)
-        if key not in seen:
-          seen[key] = compile_triton(kernel, arch)
+        r = compile_triton(kernel, arch)
         rows.append(dict(case=case.name, kernel=kernel.name, arch=arch,
                          num_stages=kernel.num_stages, tile=kernel.tile_elems,
                          grid=kernel.grid, programs_per_sm=kernel.programs_per_sm,
                          per_thread=kernel.tile_elems // (32 * kernel.num_warps),
-                         **dataclasses.asdict(seen[key]), blocks_per_sm=seen[key].blocks_per_sm))
+                         **dataclasses.asdict(r), blocks_per_sm=r.blocks_per_sm))
   return rows
 
 

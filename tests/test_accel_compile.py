@@ -7,7 +7,6 @@ See ``accel_check`` for how. Where the tools are missing (``pip install
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -31,18 +30,13 @@ needs_tools = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 CASE_IDS = [c.name for c in ac.CASES]
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(kernel, arch):
-  return ac.compile_triton(kernel, arch)
-
-
 @needs_tools
 @pytest.mark.parametrize("case", ac.CASES, ids=CASE_IDS)
 def test_triton_kernels_compile_without_spills(case):
   kernels = ac.triton_kernels(case)
   for kernel in kernels:
     for arch in ac.GPU_ARCHS:
-      r = _compiled(kernel, arch)
+      r = ac.compile_triton(kernel, arch)
       assert r.local_bytes == 0, (kernel.name, arch, r)
       assert r.registers <= 255 and r.blocks_per_sm >= 1, (kernel.name, arch, r)
 
@@ -53,7 +47,7 @@ def test_row_kernels_move_rows_by_128_bit_accesses():
   case = next(c for c in ac.CASES if c.name == "grad(layer_norm) 64x4096 float32")
   for kernel in ac.triton_kernels(case):
     if kernel.name in ("jax_normgrad_norm_fwd", "jax_normgrad_norm_bwd"):
-      r = _compiled(kernel, 90)
+      r = ac.compile_triton(kernel, 90)
       assert r.loads_128 >= 2 and r.stores_128 >= 1, (kernel.name, r)
 
 
@@ -67,7 +61,7 @@ def test_persistent_grids_are_resident_at_once(case):
     if kernel.name == "jax_normgrad_sum_partials":  # not persistent: one program per column block
       continue
     for arch in ac.GPU_ARCHS:
-      r = _compiled(kernel, arch)
+      r = ac.compile_triton(kernel, arch)
       assert kernel.programs_per_sm <= r.blocks_per_sm, (kernel.name, arch, kernel.grid, r)
 
 

@@ -221,13 +221,15 @@ def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool):
       gamma, = launch.params((gamma_ref,), w, g, kc)
       xhat, gg = common.xhat_and_g(_load(x_ref.at[(i,) + idx], mask),
                                    _load(dy_ref.at[(i,) + idx], mask), mean, rstd, gamma)
-      return (sums[0] + gg if seg.centered else sums[0]), sums[1] + gg * xhat
+      s2 = sums[-1] + gg * xhat
+      return (sums[0] + gg, s2) if seg.centered else (s2,)
 
     zeros = jnp.zeros(launch.plan.tile, F32)
-    s1, s2 = _loop(0, launch.chan_chunks * launch.space_chunks, chunk, (zeros, zeros))
+    sums = _loop(0, launch.chan_chunks * launch.space_chunks, chunk,
+                 (zeros,) * (1 + seg.centered))  # RMSNorm carries no sum of g
     if seg.centered:
-      c1_ref[i, g] = jnp.sum(s1) / seg.count
-    c2_ref[i, g] = jnp.sum(s2) / seg.count
+      c1_ref[i, g] = jnp.sum(sums[0]) / seg.count
+    c2_ref[i, g] = jnp.sum(sums[-1]) / seg.count
     return carry
 
   _loop(start, end, sample, 0)
