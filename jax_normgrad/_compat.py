@@ -6,6 +6,9 @@ Library code asks here instead of branching on ``jax.__version__`` itself.
   array type's manual-axes information ``manual_axis_type`` (``aval.mat``, a
   ``ManualAxisType`` whose ``varying`` is the set of mesh axes);
   earlier versions name it ``vma`` (``aval.vma``, the frozenset itself).
+* Marking a value varying over manual axes: ``jax.lax.pcast(x, axes,
+  to="varying")`` from jax 0.8.2; ``jax.lax.pvary(x, axes)`` before it (the
+  same operation, deprecated since).
 """
 
 from __future__ import annotations
@@ -59,3 +62,10 @@ def without_varying(aval):
   if _STRUCT_KEYWORD == "manual_axis_type":
     return aval.update(manual_axis_type=type(t)())
   return aval.update(vma=frozenset())
+
+
+def pvary(x, axes: tuple):
+  """``x`` marked varying over the manual mesh ``axes`` (its transpose is a ``psum``)."""
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, axes, to="varying")
+  return jax.lax.pvary(x, axes)

@@ -128,7 +128,7 @@ def match_varying(args):
   if not union:
     return list(args)
   return [a if _varying(a) == union else
-          jax.lax.pcast(a, tuple(sorted(union - _varying(a))), to="varying") for a in args]
+          _compat.pvary(a, tuple(sorted(union - _varying(a)))) for a in args]
 
 
 def sum_to_varying(cotangent, primal):

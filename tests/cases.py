@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,3 +51,41 @@ def rotate(cases, *choices):
 
 def random(rng, shape, dtype, scale=1.0, offset=0.0):
   return jnp.asarray(rng.normal(offset, scale, size=shape).astype(np.float32)).astype(dtype)
+
+
+#: From jax 0.11 the Pallas Triton lowering asks which GPU it compiles for.
+TRITON_LOWERING_NEEDS_GPU_KIND = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+EXPORT_SKIP = ("jax >= 0.11 lowers Pallas Triton only for a GPU or an abstract device, and "
+               "shard_map refuses an abstract context mesh")
+
+
+def export_for(platform, f, args, *, mesh=None, **kwargs):
+  """``jax.export.export(f, platforms=[platform], **kwargs)(*args)`` on a machine with no accelerator.
+
+  From jax 0.11 the Pallas Triton lowering asks which GPU it compiles for
+  (jax 0.10 assumed sm_90) and, with no GPU present, raises "No supported
+  GPU devices found". JAX's answer is an abstract device: under
+  ``jax.sharding.use_abstract_mesh`` with ``AbstractDevice("NVIDIA H100")``
+  the kernels lower for an H100. The operands are committed to a concrete
+  device (a CPU one; ``jax.export`` lowers for ``platform`` all the same),
+  because XLA's ``custom_partitioning`` (the layers' partitioning rule) needs
+  devices during lowering. ``mesh``: the ``shard_map`` mesh of ``f`` if any;
+  shard_map refuses an abstract context mesh, so that export is skipped where
+  the abstract device is needed.
+  """
+  exported = jax.export.export(f, platforms=[platform], **kwargs)
+  if platform != "cuda" or not TRITON_LOWERING_NEEDS_GPU_KIND:
+    return exported(*args)
+  if mesh is not None:
+    # shard_map requires the context mesh to be its own, concrete one.
+    pytest.skip(EXPORT_SKIP)
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("_",), (jax.sharding.AxisType.Auto,),
+                                   abstract_device=device)
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) or one)
+          for a in args]
+  with jax.sharding.use_abstract_mesh(mesh):
+    return exported(*args)

@@ -25,7 +25,7 @@ from jax_normgrad.ops._common import present
 from jax_normgrad.pallas import config
 from jax_normgrad.primitives.group_norm import group_norm_bwd_p, group_norm_fwd_p
 from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
-from cases import DTYPES, MASKS, random, rotate
+from cases import DTYPES, MASKS, export_for, random, rotate
 import reference_np as ref
 from tolerances import assert_close
 
@@ -39,9 +39,8 @@ def _export_text(f, args, platform):
   """The StableHLO text of ``f`` exported for ``platform``; a fallback warning fails."""
   with warnings.catch_warnings():
     warnings.simplefilter("error", jn.FallbackWarning)
-    exported = jax.export.export(
-        jax.jit(f), platforms=[platform],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    exported = export_for(platform, jax.jit(f), args,
+                          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])
   return exported.mlir_module()
 
 

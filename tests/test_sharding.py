@@ -16,6 +16,8 @@ import warnings
 import numpy as np
 import pytest
 
+import cases
+
 _CHILD = "JAX_NORMGRAD_SHARDING_CHILD"
 IN_CHILD = os.environ.get(_CHILD) == "1"
 
@@ -27,12 +29,17 @@ def test_on_eight_devices():
   env = dict(os.environ, **{_CHILD: "1"})
   flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   env["XLA_FLAGS"] = flags.strip()
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                        env=env, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                         __file__], env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-  summary = proc.stdout.strip().splitlines()[-1]
-  # Only this launcher is skipped in the child; every 8-device test must have run and passed.
-  assert re.search(r"\b1 skipped", summary) and " passed" in summary, proc.stdout[-3000:]
+  assert " passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-3000:]
+  # Every 8-device test must have run and passed: the only skips are this launcher
+  # and, on jax >= 0.11 with no GPU, the shard_map exports for cuda (cases.export_for).
+  reasons = re.findall(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", proc.stdout, re.M)
+  assert "this is the child process" in reasons, proc.stdout[-3000:]
+  allowed = {"this is the child process"} | ({cases.EXPORT_SKIP} if cases.TRITON_LOWERING_NEEDS_GPU_KIND
+                                              else set())
+  assert set(reasons) <= allowed, reasons
 
 
 eight = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child process")
@@ -44,6 +51,7 @@ if IN_CHILD:
 
   import jax_normgrad as jn
   from jax_normgrad.pallas import config
+  from cases import export_for
 
   assert jax.device_count() == 8, jax.devices()
   F32 = jnp.float32
@@ -63,6 +71,15 @@ if IN_CHILD:
 
   def _hlo(f, *args):
     return f.lower(*args).compile().as_text()
+
+  def _over_all_devices(line):
+    """Whether an HLO all-reduce spans all 8 devices: ``replica_groups={{0,...,7}}``, or in
+    jax >= 0.12's HLO text ``replica_groups=mesh['a'=2,'b'=4] {'a','b'}`` (every mesh axis)."""
+    if "replica_groups={{0,1,2,3,4,5,6,7}}" in line:
+      return True
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+    return bool(m) and (set(re.findall(r"'(\w+)'=", m.group(1)))
+                        == set(re.findall(r"'(\w+)'", m.group(2))))
 
   def _check_local(hlo, target, local_shape):
     """No all-gather, and every ``target`` custom call reads a ``local_shape`` operand."""
@@ -107,7 +124,7 @@ def test_layer_norm_training_step(mesh_shape, names, spec, explicit):
   _check_local(hlo, "jax_normgrad_layer_norm_bwd", (16, 64))
   # One all-reduce of the parameter gradients, over every device (both mesh axes).
   reduces = [l for l in hlo.splitlines() if re.search(r"= \(?f32\[1,64\].* all-reduce\(", l)]
-  assert reduces and all("replica_groups={{0,1,2,3,4,5,6,7}}" in l for l in reduces), reduces
+  assert reduces and all(_over_all_devices(l) for l in reduces), reduces
 
 
 @eight
@@ -355,8 +372,8 @@ def test_export_of_the_shard_map_step_for_accelerators(platform, check_vma):
   triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
   with warnings.catch_warnings():
     warnings.simplefilter("error", jn.FallbackWarning)
-    exported = jax.export.export(f, platforms=[platform],
-                                 disabled_checks=jn.export_safety_checks() + [triton])(X, W, B)
+    exported = export_for(platform, f, (X, W, B), mesh=mesh,
+                          disabled_checks=jn.export_safety_checks() + [triton])
   text = exported.mlir_module()
   assert exported.nr_devices == 8
   assert ("__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call") in text

@@ -36,6 +36,18 @@ def _loop(lower, upper, body, init):
   return lax.fori_loop(lower, upper, body, init)
 
 
+def _span(first, size: int):
+  """Indices ``first + [0, size)`` of a masked window, as an array.
+
+  Tiles are powers of two and may overhang the array; their out-of-range
+  elements are masked. An overhanging ``pl.ds`` is refused by Pallas (jax
+  >= 0.12 checks static slice bounds); an index array is what JAX's own
+  Triton kernels use for masked windows, and it lowers to the same pointer
+  block (an ``arange`` plus the offset).
+  """
+  return first + lax.broadcasted_iota(jnp.int32, (size,), 0)
+
+
 def _load(ref, mask):
   """Masked load as float32; masked-off elements read as 0."""
   return pltriton.load(ref, mask=mask, other=0).astype(F32)
@@ -79,20 +91,18 @@ class _Launch:
     seg = self.seg
     ta, tb = self.plan.tile
     ka, kb = (kc, ks) if seg.chan_axis == 1 else (ks, kc)
-    a0, b0 = ka * ta, kb * tb
-    mask = ((a0 + lax.broadcasted_iota(jnp.int32, (ta, tb), 0) < seg.shape[0])
-            & (b0 + lax.broadcasted_iota(jnp.int32, (ta, tb), 1) < seg.shape[1]))
+    a, b = _span(ka * ta, ta)[:, None], _span(kb * tb, tb)[None, :]
+    mask = (a < seg.shape[0]) & (b < seg.shape[1])
     if seg.chan_axis == 1:
-      a0 = a0 + g * seg.cg
+      a = a + g * seg.cg
     else:
-      b0 = b0 + g * seg.cg
-    return (pl.ds(a0, ta), pl.ds(b0, tb)), mask
+      b = b + g * seg.cg
+    return (a, b), mask
 
   def channels(self, g, kc):
     """Ref index and mask of the channel vector of chunk kc of group g."""
-    first = kc * self.chan_tile
-    mask = first + lax.broadcasted_iota(jnp.int32, (self.chan_tile,), 0) < self.seg.cg
-    return pl.ds(g * self.seg.cg + first, self.chan_tile), mask
+    idx = _span(kc * self.chan_tile, self.chan_tile)
+    return g * self.seg.cg + idx, idx < self.seg.cg
 
   def per_channel(self, v):
     """A channel vector, broadcastable against a tile."""
@@ -292,8 +302,8 @@ def _sum_partials_kernel(part_ref, out_ref, *, blocks: int, width: int):
   """out[w, cols] = sum over p of part[w, p, cols], p in increasing order."""
   pid = pl.program_id(0)
   w, first = lax.div(pid, blocks), lax.rem(pid, blocks) * width
-  ok = first + lax.broadcasted_iota(jnp.int32, (width,), 0) < part_ref.shape[2]
-  cols = pl.ds(first, width)
+  cols = _span(first, width)
+  ok = cols < part_ref.shape[2]
   total = lax.fori_loop(0, part_ref.shape[1],
                         lambda p, acc: acc + _load(part_ref.at[w, p, cols], ok),
                         jnp.zeros((width,), F32))
