@@ -13,6 +13,10 @@
 // Both handlers can also write xhat (write_xhat), and the backward can start
 // from xhat instead of x (normalized): the AscendC / InfiniOp forms of the
 // backward run on these same kernels.
+// The residual form (add_layer_norm / add_rms_norm) too: the forward reads x
+// and a residual and writes h = x + residual besides y (has_residual), and
+// the backward, whose x is then h, adds h's incoming cotangent dh into dx
+// in its output pass (has_dh).
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -82,6 +86,49 @@ void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Ty* y, T* xhat_out,
     rstd_out[i] = rs;
     FwdOutput(xr, w, b, y + i * H, xhat_out ? xhat_out + i * H : nullptr, H, mu, rs,
               prefetch_rows && i + 1 < row_end ? H : 0, stream_y);
+  }
+}
+
+// h = x + residual for n elements, summed in float32 into s and stored
+// rounded once into h; s may be h itself (a float32 h).
+template <typename T, typename Tr, typename Th>
+void AddRow(const T* x, const Tr* r, Th* h, float* s, int64_t n) {
+  ForRow(n, [&](auto tag, int64_t j) {
+    auto v = Ld(tag, x + j) + Ld(tag, r + j);
+    St(tag, h + j, v);
+    if constexpr (!std::is_same_v<Th, float>) St(tag, s + j, v);
+  });
+}
+
+// The residual form's forward of rows [row_begin, row_end): per row, by
+// kMomentsChunk chunks, h = x + residual (AddRow) and the chunk's moments
+// from L1, merged in order (one pass over x, residual and h); then y from
+// the unrounded float32 sum: h itself when float32, else this task's
+// float32 copy of the row, either read back from cache where the row fits.
+template <typename T, typename Tr, typename Th, typename Ty, typename Tp>
+void AddLayerNormFwdRows(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* b, Ty* y,
+                         float* mean_out, float* rstd_out, int64_t row_begin, int64_t row_end,
+                         int64_t H, float eps, bool centered, bool stream_y) {
+  constexpr bool kSumInH = std::is_same_v<Th, float>;
+  std::vector<float> row(kSumInH ? 0 : static_cast<size_t>(H));
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    Th* hr = h + i * H;
+    float* s;
+    if constexpr (kSumInH) s = hr;
+    else s = row.data();
+    RunningMoments m;
+    for (int64_t c0 = 0; c0 < H; c0 += kMomentsChunk) {
+      const int64_t len = H - c0 < kMomentsChunk ? H - c0 : kMomentsChunk;
+      AddRow(x + i * H + c0, r + i * H + c0, hr + c0, s + c0, len);
+      float mu, q;
+      TwoPassMoments(s + c0, len, centered, &mu, &q);
+      m.Merge(len, mu, q);
+    }
+    const float rs = 1.0f / std::sqrt(m.m2 / static_cast<float>(H) + eps);
+    if (mean_out) mean_out[i] = m.mean;
+    rstd_out[i] = rs;
+    FwdOutput(static_cast<const float*>(s), w, b, y + i * H, static_cast<float*>(nullptr), H,
+              m.mean, rs, 0, stream_y);
   }
 }
 
@@ -162,6 +209,7 @@ struct LayerNormBwd {
   const float* mean;
   const float* rstd;
   const Tp* w;  // this group's weight row, float32 or x's dtype
+  const T* dh;  // added into dx (the residual form; null: none)
   T* dx;
   T* xhat_out;
   int64_t H;
@@ -208,6 +256,7 @@ struct LayerNormBwd {
     const T* xr = x + i * H + c0;
     const Tp* wr = w + c0;
     T* dxr = kDx ? dx + i * H + c0 : nullptr;
+    const T* dhr = kDx && dh ? dh + i * H + c0 : nullptr;
     T* xo = xhat_out ? xhat_out + i * H + c0 : nullptr;
     const float mu = Mu(i), rs = Rs(i), xs = Xs(i);
     const bool stream = kDx && StreamRow(stream_dx, dxr);
@@ -215,7 +264,14 @@ struct LayerNormBwd {
       if (ahead) PrefetchLine(tag, dyr + ahead + j), PrefetchLine(tag, xr + ahead + j);
       auto d = Ld(tag, dyr + j);
       auto xh = (Ld(tag, xr + j) - mu) * xs;
-      if (kDx) StOut(tag, dxr + j, rs * (d * Ld(tag, wr + j)) - b - k * xh, stream);
+      if (kDx) {
+        auto g = rs * (d * Ld(tag, wr + j)) - b - k * xh;
+        if (dhr) {
+          if (ahead) PrefetchLine(tag, dhr + ahead + j);
+          g = g + Ld(tag, dhr + j);
+        }
+        StOut(tag, dxr + j, g, stream);
+      }
       if (kDw) St(tag, dw + j, kOverwrite ? d * xh : Ld(tag, dw + j) + d * xh);
       if (kDb) St(tag, db + j, kOverwrite ? d : Ld(tag, db + j) + d);
       if (xo) St(tag, xo + j, xh);
@@ -375,16 +431,44 @@ ffi::Error DispatchBwdTypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
   });
 }
 
+// The residual form's forward over every row: row tasks (AddLayerNormFwdRows)
+// for each storage type of residual and h, x's or float32. Few, long rows
+// take no column chunks here: fewer than kMinRowsForRowTasks rows per group
+// run on that many tasks.
+template <typename T, typename Tp>
+ffi::Error AddLayerNormFwd(ffi::ThreadPool* pool, ffi::DataType x_dtype, const T* xp,
+                           const ffi::AnyBuffer& residual,
+                           ffi::AnyBuffer& h, const Tp* w, const Tp* b, T* yp, float* mean_p,
+                           float* rstd_p, int64_t M, int64_t W, int64_t H, float eps,
+                           bool centered, bool stream_y) {
+  return DispatchSameOrF32<T>(residual.element_type(), x_dtype, "residual", [&](auto rtag) {
+    return DispatchSameOrF32<T>(h.element_type(), x_dtype, "h", [&](auto htag) {
+      using Tr = decltype(rtag);
+      using Th = decltype(htag);
+      const Tr* rp = reinterpret_cast<const Tr*>(residual.untyped_data());
+      Th* hp = reinterpret_cast<Th*>(h.untyped_data());
+      AdviseHugePages(hp, static_cast<int64_t>(h.size_bytes()));
+      RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
+      ParallelFor(pool, split.num_tasks(), [&](int64_t t) {
+        const int64_t grp = split.group(t);
+        AddLayerNormFwdRows(xp, rp, hp, w + grp * H, b + grp * H, yp, mean_p, rstd_p,
+                            split.begin(t), split.end(t), H, eps, centered, stream_y);
+      });
+      return ffi::Error::Success();
+    });
+  });
+}
+
 }  // namespace
 
-ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer weight,
-                            ffi::AnyBuffer bias,
+ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                            ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                             ffi::Result<ffi::AnyBuffer> y,
                             ffi::ResultBuffer<ffi::F32> mean,
                             ffi::ResultBuffer<ffi::F32> rstd,
-                            ffi::Result<ffi::AnyBuffer> xhat, float eps,
-                            int64_t param_groups, bool has_weight, bool has_bias,
-                            bool centered, bool write_xhat) {
+                            ffi::Result<ffi::AnyBuffer> xhat, ffi::Result<ffi::AnyBuffer> h,
+                            float eps, int64_t param_groups, bool has_weight, bool has_bias,
+                            bool centered, bool write_xhat, bool has_residual) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x: expected rank 2 (rows, H)");
   const int64_t M = dims[0], H = dims[1], W = param_groups;
@@ -398,6 +482,12 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   if (xhat->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("xhat: dtype must match x");
   JNG_RETURN_IF_ERROR(CheckSize("xhat", xhat->element_count(), write_xhat ? M * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("residual", residual.element_count(), has_residual ? M * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("h", h->element_count(), has_residual ? M * H : 0));
+  if (has_residual && write_xhat)
+    return ffi::Error::InvalidArgument("write_xhat: not available with a residual");
+  if (has_residual && y->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("y: dtype must match x's with a residual");
   if (M == 0) return ffi::Error::Success();
   if (H == 0) return ffi::Error::InvalidArgument("x: normalized size must be positive");
   float* mean_p = centered ? mean->typed_data() : nullptr;
@@ -415,6 +505,13 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
     const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
+    if (has_residual) {
+      if constexpr (std::is_same_v<Ty, T>) {
+        return AddLayerNormFwd<T, Tp>(&pool, x.element_type(), xp, residual, *h, w, b, yp, mean_p, rstd_p, M, W, H,
+                                      eps, centered, stream_y);
+      }
+      return ffi::Error::InvalidArgument("y: dtype must match x's with a residual");
+    }
     if (UseColumnChunks(M / W, H)) {
       for (int64_t grp = 0; grp < W; ++grp)
         LayerNormFwdChunked(&pool, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
@@ -433,13 +530,14 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
 
 ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
-                            ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::AnyBuffer weight, ffi::AnyBuffer dh,
+                            ffi::Result<ffi::AnyBuffer> dx,
                             ffi::ResultBuffer<ffi::F32> dweight,
                             ffi::ResultBuffer<ffi::F32> dbias,
                             ffi::Result<ffi::AnyBuffer> xhat, int64_t param_groups,
                             bool has_weight, bool compute_dx, bool compute_dweight,
                             bool compute_dbias, bool centered, bool normalized,
-                            bool write_xhat) {
+                            bool write_xhat, bool has_dh) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x: expected rank 2 (rows, H)");
   const int64_t M = dims[0], H = dims[1], W = param_groups;
@@ -459,6 +557,11 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   JNG_RETURN_IF_ERROR(CheckSize("grad_input", dx->element_count(), compute_dx ? M * H : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_weight", dweight->element_count(), compute_dweight ? W * H : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_bias", dbias->element_count(), compute_dbias ? W * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("dh", dh.element_count(), has_dh ? M * H : 0));
+  if (has_dh && !compute_dx)
+    return ffi::Error::InvalidArgument("dh: added into grad_input, which is not computed");
+  if (has_dh && dh.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("dh: dtype must match x");
   float* dw_out = compute_dweight ? dweight->typed_data() : nullptr;
   float* db_out = compute_dbias ? dbias->typed_data() : nullptr;
   const int64_t rows_per_group = M / W;
@@ -521,11 +624,12 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
         compute_dx && (sizeof(T) == 4 || kStreamNarrowRows) &&
         StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
+    const T* dhp = has_dh ? reinterpret_cast<const T*>(dh.untyped_data()) : nullptr;
     WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
       using Op = LayerNormBwd<T, Tdy, Tp, decltype(kdx)::value, decltype(kdw)::value,
                               decltype(kdb)::value>;
       auto op_of = [&](int64_t grp) {
-        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dxp, xhp, H, centered, normalized,
+        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dhp, dxp, xhp, H, centered, normalized,
                   stream_dx};
       };
       if (column_chunks) {
@@ -562,18 +666,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormFwd), jax_normgrad::JNG_IS
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()               // x (M, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // residual (M, H) or (0): f32 or x's
                                   .Arg<xla::ffi::AnyBuffer>()  // weight (W, H) or (0): f32 or x's
                                   .Arg<xla::ffi::AnyBuffer>()  // bias (W, H) or (0): as weight
                                   .Ret<xla::ffi::AnyBuffer>()               // y (M, H)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (M) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (M)
                                   .Ret<xla::ffi::AnyBuffer>()               // xhat (M, H) or (0)
+                                  .Ret<xla::ffi::AnyBuffer>()  // h (M, H) or (0): f32 or x's
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("param_groups")
                                   .Attr<bool>("has_weight")
                                   .Attr<bool>("has_bias")
                                   .Attr<bool>("centered")
-                                  .Attr<bool>("write_xhat"));
+                                  .Attr<bool>("write_xhat")
+                                  .Attr<bool>("has_residual"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_ISA::LayerNormBwdImpl,
                               xla::ffi::Ffi::Bind()
@@ -583,6 +690,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_IS
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (M) or (0)
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (M)
                                   .Arg<xla::ffi::AnyBuffer>()  // weight (W, H) or (0): f32 or x's
+                                  .Arg<xla::ffi::AnyBuffer>()               // dh (M, H) or (0)
                                   .Ret<xla::ffi::AnyBuffer>()               // dx (M, H) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dweight (W, H) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dbias (W, H) or (0)
@@ -594,4 +702,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_IS
                                   .Attr<bool>("compute_dbias")
                                   .Attr<bool>("centered")
                                   .Attr<bool>("normalized")
-                                  .Attr<bool>("write_xhat"));
+                                  .Attr<bool>("write_xhat")
+                                  .Attr<bool>("has_dh"));
