@@ -256,3 +256,50 @@ class TestAddNormValidation:
       jn.add_rms_norm(x, x, eps=-1.0)
     with pytest.raises(ValueError, match="implementation"):
       jn.add_rms_norm(x, x, implementation="cuda")
+
+
+class TestAddNormDropins:
+  """flax.linen and nnx AddLayerNorm / AddRMSNorm: the plain layer's parameters, the fused kernels."""
+
+  def test_linen(self, rng):
+    nn = pytest.importorskip("flax.linen")
+    import jax_normgrad.flax as jnf
+    x, r = random(rng, (4, 6, 32), F32), random(rng, (4, 6, 32), F32)
+    for cls, plain in ((jnf.AddLayerNorm, nn.LayerNorm), (jnf.AddRMSNorm, nn.RMSNorm)):
+      layer = cls()
+      params = layer.init(jax.random.key(0), x, r)
+      plain_params = plain().init(jax.random.key(0), x)
+      assert jax.tree.structure(params) == jax.tree.structure(plain_params)
+
+      def loss(p, x, r):
+        y, h = layer.apply(p, x, r)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(h ** 2)
+
+      ref_loss = lambda p, x, r: jnp.sum(jnp.sin(plain().apply(p, x + r))) + jnp.sum((x + r) ** 2)
+      got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, x, r)
+      want = jax.grad(ref_loss, argnums=(0, 1, 2))(params, x, r)
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+      text = jax.jit(jax.grad(loss)).lower(params, x, r).as_text()
+      assert text.count("jax_normgrad_layer_norm_fwd") == 1
+      # flax's float32 result of a 16-bit x: the add before the plain drop-in, announced.
+      with pytest.warns(jn.FallbackWarning, match="result dtype float32"):
+        y, h = layer.apply(params, x.astype(BF16), r.astype(BF16))
+      assert y.dtype == F32 and h.dtype == BF16
+
+  def test_nnx(self, rng):
+    nnx = pytest.importorskip("flax.nnx")
+    import jax_normgrad.nnx as jnn
+    x, r = random(rng, (4, 6, 32), F32), random(rng, (4, 6, 32), F32)
+    for cls, plain in ((jnn.AddLayerNorm, nnx.LayerNorm), (jnn.AddRMSNorm, nnx.RMSNorm)):
+      layer, ref_layer = cls(32, rngs=nnx.Rngs(0)), plain(32, rngs=nnx.Rngs(0))
+      y, h = layer(x, r)
+      np.testing.assert_allclose(y, ref_layer(x + r), rtol=1e-5, atol=1e-5)
+      np.testing.assert_array_equal(h, x + r)
+      got = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x, r)[0])))(layer)
+      want = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x + r))))(ref_layer)
+      for g, w in zip(jax.tree.leaves(nnx.state(got)), jax.tree.leaves(nnx.state(want))):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+      layer = cls(32, residual_dtype=F32, dtype=BF16, param_dtype=BF16, rngs=nnx.Rngs(0))
+      y, h = layer(x.astype(BF16), r.astype(BF16))
+      assert y.dtype == BF16 and h.dtype == F32

@@ -56,8 +56,9 @@ def test_16bit_layer_norm_parameters_reach_the_kernels_unconverted():
                           argnums=(0, 1))).lower(x16, w16).as_text()
   calls = [l for l in text.splitlines() if "custom_call @jax_normgrad_layer_norm" in l]
   assert len(calls) == 2
-  assert "(tensor<8x32xbf16>, tensor<1x32xbf16>, tensor<1x32xbf16>) ->" in calls[0]  # x, w, b
-  assert "tensor<8xf32>, tensor<1x32xbf16>) ->" in calls[1]  # ..., rstd, w
+  # x, (no residual), w, b
+  assert "(tensor<8x32xbf16>, tensor<0xf32>, tensor<1x32xbf16>, tensor<1x32xbf16>) ->" in calls[0]
+  assert "tensor<8xf32>, tensor<1x32xbf16>, tensor<0xf32>) ->" in calls[1]  # ..., rstd, w, (no dh)
   assert "convert" not in text.split("custom_call @jax_normgrad_layer_norm_fwd")[0]
 
 

@@ -49,18 +49,22 @@ def _fwd_abstract(x, *params, eps, centered, has_weight, has_bias, param_groups,
           + [shaped(x.shape, x.dtype)] * write_xhat + [shaped(x.shape, h_dtype or x.dtype)] * has_residual)
 
 
-def _split_params(params, has_weight, has_bias, has_residual=False):
-  """(residual | None, weight | None, bias | None) from the forward's operands after x."""
+def _split_params(params, has_weight, has_bias):
   params = list(params)
-  residual = params.pop(0) if has_residual else None
   weight = params.pop(0) if has_weight else None
   bias = params.pop(0) if has_bias else None
-  return residual, weight, bias
+  return weight, bias
+
+
+def _split_residual(params, has_weight, has_bias, has_residual):
+  """(residual | None, weight | None, bias | None) from the forward's operands after x."""
+  residual, params = (params[0], params[1:]) if has_residual else (None, params)
+  return (residual,) + _split_params(params, has_weight, has_bias)
 
 
 def _fwd_xla(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat, y_dtype,
              has_residual=False, h_dtype=None):
-  residual, weight, bias = _split_params(params, has_weight, has_bias, has_residual)
+  residual, weight, bias = _split_residual(params, has_weight, has_bias, has_residual)
   return reference.layer_norm_fwd(x, weight, bias, eps=eps, centered=centered,
                                   param_groups=param_groups, write_xhat=write_xhat,
                                   y_dtype=y_dtype, residual=residual, h_dtype=h_dtype)
@@ -68,7 +72,7 @@ def _fwd_xla(x, *params, eps, centered, has_weight, has_bias, param_groups, writ
 
 def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat, y_dtype,
              has_residual=False, h_dtype=None):
-  residual, weight, bias = _split_params(params, has_weight, has_bias, has_residual)
+  residual, weight, bias = _split_residual(params, has_weight, has_bias, has_residual)
   m = x.shape[0]
   out_types = [jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype),
                jax.ShapeDtypeStruct((m if centered else 0,), F32),
