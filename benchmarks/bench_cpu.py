@@ -344,7 +344,7 @@ def _mlp_stack_step(fused, layers, hidden, ffn, dtype):
   return step, params, jax.random.normal(k[-1], (4096, hidden), jnp.float32).astype(dtype)
 
 
-def measure_stack(dtype, iters, rounds=3, settle_s=SETTLE_S, layers=4, hidden=1024, ffn=1024):
+def measure_stack(dtype, iters, rounds=3, settle_s=SETTLE_S, layers=4, hidden=1024, ffn=256):
   """The MLP stack's training step with and without the fused form, interleaved rounds."""
   variants = {name: _mlp_stack_step(name == "fused", layers, hidden, ffn, dtype)
               for name in ("fused", "unfused")}

@@ -89,46 +89,55 @@ void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Ty* y, T* xhat_out,
   }
 }
 
-// h = x + residual for n elements, summed in float32 into s and stored
-// rounded once into h; s may be h itself (a float32 h).
-template <typename T, typename Tr, typename Th>
-void AddRow(const T* x, const Tr* r, Th* h, float* s, int64_t n) {
-  ForRow(n, [&](auto tag, int64_t j) {
+// s = x + residual for n elements, summed in float32.
+template <typename T, typename Tr>
+void AddRow(const T* x, const Tr* r, float* s, int64_t n) {
+  ForRow(n, [&](auto tag, int64_t j) { St(tag, s + j, Ld(tag, x + j) + Ld(tag, r + j)); });
+}
+
+// The residual form's output pass: v = x + residual in float32, h = v
+// rounded once, y = (v - mu) * rs * w + b (FwdOutput's arithmetic on the
+// unrounded sum). Prefetches the lines `ahead` elements on in x and the
+// residual (0: none).
+template <typename T, typename Tr, typename Th, typename Ty, typename Tp>
+void AddFwdOutput(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* b, Ty* y, int64_t n,
+                  float mu, float rs, int64_t ahead, bool stream_y) {
+  const bool stream = StreamRow(stream_y, y);
+  ForRowWide(y, n, [&](auto tag, int64_t j) {
+    if (ahead) PrefetchLine(tag, x + ahead + j), PrefetchLine(tag, r + ahead + j);
     auto v = Ld(tag, x + j) + Ld(tag, r + j);
     St(tag, h + j, v);
-    if constexpr (!std::is_same_v<Th, float>) St(tag, s + j, v);
+    auto xh = (v - mu) * rs;
+    StOut(tag, y + j, xh * Ld(tag, w + j) + Ld(tag, b + j), stream);
   });
 }
 
-// The residual form's forward of rows [row_begin, row_end): per row, by
-// kMomentsChunk chunks, h = x + residual (AddRow) and the chunk's moments
-// from L1, merged in order (one pass over x, residual and h); then y from
-// the unrounded float32 sum: h itself when float32, else this task's
-// float32 copy of the row, either read back from cache where the row fits.
+// The residual form's forward of rows [row_begin, row_end), as flash-attn's:
+// the statistics of the float32 sum x + residual by kMomentsChunk chunks
+// (each summed into an L1 buffer, its moments from there, merged in order),
+// then one output pass that sums again (the row is in cache: the next-row
+// prefetch for short rows, L2 for long ones) and writes h and y. h is
+// written once, in the pass that writes y, and never read back.
 template <typename T, typename Tr, typename Th, typename Ty, typename Tp>
 void AddLayerNormFwdRows(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* b, Ty* y,
                          float* mean_out, float* rstd_out, int64_t row_begin, int64_t row_end,
                          int64_t H, float eps, bool centered, bool stream_y) {
-  constexpr bool kSumInH = std::is_same_v<Th, float>;
-  std::vector<float> row(kSumInH ? 0 : static_cast<size_t>(H));
+  float s[kMomentsChunk];
+  const bool prefetch_rows = PrefetchNextRow<float>(H);
   for (int64_t i = row_begin; i < row_end; ++i) {
-    Th* hr = h + i * H;
-    float* s;
-    if constexpr (kSumInH) s = hr;
-    else s = row.data();
     RunningMoments m;
     for (int64_t c0 = 0; c0 < H; c0 += kMomentsChunk) {
       const int64_t len = H - c0 < kMomentsChunk ? H - c0 : kMomentsChunk;
-      AddRow(x + i * H + c0, r + i * H + c0, hr + c0, s + c0, len);
+      AddRow(x + i * H + c0, r + i * H + c0, s, len);
       float mu, q;
-      TwoPassMoments(s + c0, len, centered, &mu, &q);
+      TwoPassMoments(static_cast<const float*>(s), len, centered, &mu, &q);
       m.Merge(len, mu, q);
     }
     const float rs = 1.0f / std::sqrt(m.m2 / static_cast<float>(H) + eps);
     if (mean_out) mean_out[i] = m.mean;
     rstd_out[i] = rs;
-    FwdOutput(static_cast<const float*>(s), w, b, y + i * H, static_cast<float*>(nullptr), H,
-              m.mean, rs, 0, stream_y);
+    AddFwdOutput(x + i * H, r + i * H, h + i * H, w, b, y + i * H, H, m.mean, rs,
+                 prefetch_rows && i + 1 < row_end ? H : 0, stream_y);
   }
 }
 

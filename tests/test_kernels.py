@@ -307,7 +307,7 @@ def test_other_isa_builds_are_correct_too(isa):
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
        os.path.join(here, "test_layer_norm.py"), os.path.join(here, "test_group_norm.py"),
-       os.path.join(here, "test_streaming.py"),
+       os.path.join(here, "test_streaming.py"), os.path.join(here, "test_add_norm.py"),
        "-k", "(Default and (backward or forward) and not long_row) or stream"],
       env=env, capture_output=True, text=True)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
