@@ -272,6 +272,17 @@ class Patch:
     self()
 
 
+#: The opening of the residual-form drop-ins' docstrings (flax.linen and nnx); ``{fn}`` the op.
+ADD_NORM_INTRO = """
+
+  A pre-norm block's residual add and norm in one kernel pass each way
+  (:func:`jax_normgrad.{fn}`): ``y, h = layer(x, residual)`` with ``h = x +
+  residual`` summed in float32 (stored in ``residual_dtype``, None: x's
+  dtype) and ``y`` the norm of that sum, in x's dtype. ``h`` is the next
+  block's residual::
+"""
+
+
 def add_norm(layer, x, residual, weight, bias, *, begin: int, eps: float, centered: bool,
              residual_dtype, implementation, reason, plain):
   """The residual-form drop-ins' ``(y, h)``: one fused kernel call, or the add before ``plain``.

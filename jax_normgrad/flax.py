@@ -238,13 +238,7 @@ def _linen_add_norm(mdl, plain, x, residual, *, centered: bool):
                           implementation=mdl.implementation, reason=None, plain=None)
 
 
-_ADD_DOC = """
-  A pre-norm block's residual add and norm in one kernel pass each way
-  (:func:`jax_normgrad.{fn}`): ``y, h = layer(x, residual)`` with ``h = x +
-  residual`` summed in float32 (stored in ``residual_dtype``, None: x's
-  dtype) and ``y`` the norm of that sum, in x's dtype. ``h`` is the next
-  block's residual::
-
+_ADD_DOC = _layers.ADD_NORM_INTRO + """
       y, h = AddLayerNorm()(attn_out, h)   # was: h = h + attn_out; y = LayerNorm()(h)
 
   Attributes and parameters (names, shapes, checkpoints) are

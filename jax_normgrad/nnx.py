@@ -212,13 +212,7 @@ def _nnx_add_norm(mdl, plain, x, residual, *, centered: bool):
                           reason=reason, plain=lambda h: plain.__call__(mdl, h))
 
 
-_ADD_DOC = """
-  A pre-norm block's residual add and norm in one kernel pass each way
-  (:func:`jax_normgrad.{fn}`): ``y, h = layer(x, residual)`` with ``h = x +
-  residual`` summed in float32 (stored in ``residual_dtype``, None: x's
-  dtype) and ``y`` the norm of that sum, in x's dtype. ``h`` is the next
-  block's residual::
-
+_ADD_DOC = _layers.ADD_NORM_INTRO + """
       y, h = self.norm(attn_out, h)   # was: h = h + attn_out; y = self.norm(h)
 
   ``{cls}(num_features, *, residual_dtype=None, **kwargs)``: the plain
