@@ -258,14 +258,19 @@ struct LayerNormBwd {
   // column c0 of the accumulators, which it adds to, or overwrites when
   // kOverwrite (the first row into outputs nobody zeroed). Prefetches the
   // line `ahead` elements on in dy and x (0: none).
-  template <bool kOverwrite = false>
+  // The residual form's dh (kDh) is an instantiation of its own: the plain
+  // loop stays as it was.
+  template <bool kOverwrite = false, bool kDh = false>
   void Fused(int64_t i, int64_t c0, int64_t n, float b, float k, float* dw, float* db,
              int64_t ahead) const {
+    if constexpr (kDx && !kDh) {
+      if (dh) return FusedDh<kOverwrite>(i, c0, n, b, k, dw, db, ahead);
+    }
     const Tdy* dyr = dy + i * H + c0;
     const T* xr = x + i * H + c0;
     const Tp* wr = w + c0;
     T* dxr = kDx ? dx + i * H + c0 : nullptr;
-    const T* dhr = kDx && dh ? dh + i * H + c0 : nullptr;
+    [[maybe_unused]] const T* dhr = kDh ? dh + i * H + c0 : nullptr;
     T* xo = xhat_out ? xhat_out + i * H + c0 : nullptr;
     const float mu = Mu(i), rs = Rs(i), xs = Xs(i);
     const bool stream = kDx && StreamRow(stream_dx, dxr);
@@ -275,7 +280,7 @@ struct LayerNormBwd {
       auto xh = (Ld(tag, xr + j) - mu) * xs;
       if (kDx) {
         auto g = rs * (d * Ld(tag, wr + j)) - b - k * xh;
-        if (dhr) {
+        if constexpr (kDh) {
           if (ahead) PrefetchLine(tag, dhr + ahead + j);
           g = g + Ld(tag, dhr + j);
         }
@@ -285,6 +290,14 @@ struct LayerNormBwd {
       if (kDb) St(tag, db + j, kOverwrite ? d : Ld(tag, db + j) + d);
       if (xo) St(tag, xo + j, xh);
     });
+  }
+
+  // Not inlined into the plain Fused, whose code (and its inlining into Rows)
+  // then stays what it was without the residual form.
+  template <bool kOverwrite>
+  __attribute__((noinline)) void FusedDh(int64_t i, int64_t c0, int64_t n, float b, float k,
+                                         float* dw, float* db, int64_t ahead) const {
+    Fused<kOverwrite, true>(i, c0, n, b, k, dw, db, ahead);
   }
 
   // Rows [row_begin, row_end) whole, into this task's dw/db accumulators.
