@@ -13,6 +13,10 @@
 // Both handlers can also write xhat (write_xhat), and the backward can start
 // from xhat instead of x (normalized): the AscendC / InfiniOp forms of the
 // backward run on these same kernels.
+// The residual form (add_layer_norm / add_rms_norm) too: the forward reads x
+// and a residual and writes h = x + residual besides y (has_residual), and
+// the backward, whose x is then h, adds h's incoming cotangent dh into dx
+// in its output pass (has_dh).
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -82,6 +86,58 @@ void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Ty* y, T* xhat_out,
     rstd_out[i] = rs;
     FwdOutput(xr, w, b, y + i * H, xhat_out ? xhat_out + i * H : nullptr, H, mu, rs,
               prefetch_rows && i + 1 < row_end ? H : 0, stream_y);
+  }
+}
+
+// s = x + residual for n elements, summed in float32.
+template <typename T, typename Tr>
+void AddRow(const T* x, const Tr* r, float* s, int64_t n) {
+  ForRow(n, [&](auto tag, int64_t j) { St(tag, s + j, Ld(tag, x + j) + Ld(tag, r + j)); });
+}
+
+// The residual form's output pass: v = x + residual in float32, h = v
+// rounded once, y = (v - mu) * rs * w + b (FwdOutput's arithmetic on the
+// unrounded sum). Prefetches the lines `ahead` elements on in x and the
+// residual (0: none).
+template <typename T, typename Tr, typename Th, typename Ty, typename Tp>
+void AddFwdOutput(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* b, Ty* y, int64_t n,
+                  float mu, float rs, int64_t ahead, bool stream_y) {
+  const bool stream = StreamRow(stream_y, y);
+  ForRowWide(y, n, [&](auto tag, int64_t j) {
+    if (ahead) PrefetchLine(tag, x + ahead + j), PrefetchLine(tag, r + ahead + j);
+    auto v = Ld(tag, x + j) + Ld(tag, r + j);
+    St(tag, h + j, v);
+    auto xh = (v - mu) * rs;
+    StOut(tag, y + j, xh * Ld(tag, w + j) + Ld(tag, b + j), stream);
+  });
+}
+
+// The residual form's forward of rows [row_begin, row_end), as flash-attn's:
+// the statistics of the float32 sum x + residual by kMomentsChunk chunks
+// (each summed into an L1 buffer, its moments from there, merged in order),
+// then one output pass that sums again (the row is in cache: the next-row
+// prefetch for short rows, L2 for long ones) and writes h and y. h is
+// written once, in the pass that writes y, and never read back.
+template <typename T, typename Tr, typename Th, typename Ty, typename Tp>
+void AddLayerNormFwdRows(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* b, Ty* y,
+                         float* mean_out, float* rstd_out, int64_t row_begin, int64_t row_end,
+                         int64_t H, float eps, bool centered, bool stream_y) {
+  float s[kMomentsChunk];
+  const bool prefetch_rows = PrefetchNextRow<float>(H);
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    RunningMoments m;
+    for (int64_t c0 = 0; c0 < H; c0 += kMomentsChunk) {
+      const int64_t len = H - c0 < kMomentsChunk ? H - c0 : kMomentsChunk;
+      AddRow(x + i * H + c0, r + i * H + c0, s, len);
+      float mu, q;
+      TwoPassMoments(static_cast<const float*>(s), len, centered, &mu, &q);
+      m.Merge(len, mu, q);
+    }
+    const float rs = 1.0f / std::sqrt(m.m2 / static_cast<float>(H) + eps);
+    if (mean_out) mean_out[i] = m.mean;
+    rstd_out[i] = rs;
+    AddFwdOutput(x + i * H, r + i * H, h + i * H, w, b, y + i * H, H, m.mean, rs,
+                 prefetch_rows && i + 1 < row_end ? H : 0, stream_y);
   }
 }
 
@@ -162,6 +218,7 @@ struct LayerNormBwd {
   const float* mean;
   const float* rstd;
   const Tp* w;  // this group's weight row, float32 or x's dtype
+  const T* dh;  // added into dx (the residual form; null: none)
   T* dx;
   T* xhat_out;
   int64_t H;
@@ -201,13 +258,19 @@ struct LayerNormBwd {
   // column c0 of the accumulators, which it adds to, or overwrites when
   // kOverwrite (the first row into outputs nobody zeroed). Prefetches the
   // line `ahead` elements on in dy and x (0: none).
-  template <bool kOverwrite = false>
+  // The residual form's dh (kDh) is an instantiation of its own: the plain
+  // loop stays as it was.
+  template <bool kOverwrite = false, bool kDh = false>
   void Fused(int64_t i, int64_t c0, int64_t n, float b, float k, float* dw, float* db,
              int64_t ahead) const {
+    if constexpr (kDx && !kDh) {
+      if (dh) return FusedDh<kOverwrite>(i, c0, n, b, k, dw, db, ahead);
+    }
     const Tdy* dyr = dy + i * H + c0;
     const T* xr = x + i * H + c0;
     const Tp* wr = w + c0;
     T* dxr = kDx ? dx + i * H + c0 : nullptr;
+    [[maybe_unused]] const T* dhr = kDh ? dh + i * H + c0 : nullptr;
     T* xo = xhat_out ? xhat_out + i * H + c0 : nullptr;
     const float mu = Mu(i), rs = Rs(i), xs = Xs(i);
     const bool stream = kDx && StreamRow(stream_dx, dxr);
@@ -215,11 +278,26 @@ struct LayerNormBwd {
       if (ahead) PrefetchLine(tag, dyr + ahead + j), PrefetchLine(tag, xr + ahead + j);
       auto d = Ld(tag, dyr + j);
       auto xh = (Ld(tag, xr + j) - mu) * xs;
-      if (kDx) StOut(tag, dxr + j, rs * (d * Ld(tag, wr + j)) - b - k * xh, stream);
+      if (kDx) {
+        auto g = rs * (d * Ld(tag, wr + j)) - b - k * xh;
+        if constexpr (kDh) {
+          if (ahead) PrefetchLine(tag, dhr + ahead + j);
+          g = g + Ld(tag, dhr + j);
+        }
+        StOut(tag, dxr + j, g, stream);
+      }
       if (kDw) St(tag, dw + j, kOverwrite ? d * xh : Ld(tag, dw + j) + d * xh);
       if (kDb) St(tag, db + j, kOverwrite ? d : Ld(tag, db + j) + d);
       if (xo) St(tag, xo + j, xh);
     });
+  }
+
+  // Not inlined into the plain Fused, whose code (and its inlining into Rows)
+  // then stays what it was without the residual form.
+  template <bool kOverwrite>
+  __attribute__((noinline)) void FusedDh(int64_t i, int64_t c0, int64_t n, float b, float k,
+                                         float* dw, float* db, int64_t ahead) const {
+    Fused<kOverwrite, true>(i, c0, n, b, k, dw, db, ahead);
   }
 
   // Rows [row_begin, row_end) whole, into this task's dw/db accumulators.
@@ -375,16 +453,44 @@ ffi::Error DispatchBwdTypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
   });
 }
 
+// The residual form's forward over every row: row tasks (AddLayerNormFwdRows)
+// for each storage type of residual and h, x's or float32. Few, long rows
+// take no column chunks here: fewer than kMinRowsForRowTasks rows per group
+// run on that many tasks.
+template <typename T, typename Tp>
+ffi::Error AddLayerNormFwd(ffi::ThreadPool* pool, ffi::DataType x_dtype, const T* xp,
+                           const ffi::AnyBuffer& residual,
+                           ffi::AnyBuffer& h, const Tp* w, const Tp* b, T* yp, float* mean_p,
+                           float* rstd_p, int64_t M, int64_t W, int64_t H, float eps,
+                           bool centered, bool stream_y) {
+  return DispatchSameOrF32<T>(residual.element_type(), x_dtype, "residual", [&](auto rtag) {
+    return DispatchSameOrF32<T>(h.element_type(), x_dtype, "h", [&](auto htag) {
+      using Tr = decltype(rtag);
+      using Th = decltype(htag);
+      const Tr* rp = reinterpret_cast<const Tr*>(residual.untyped_data());
+      Th* hp = reinterpret_cast<Th*>(h.untyped_data());
+      AdviseHugePages(hp, static_cast<int64_t>(h.size_bytes()));
+      RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
+      ParallelFor(pool, split.num_tasks(), [&](int64_t t) {
+        const int64_t grp = split.group(t);
+        AddLayerNormFwdRows(xp, rp, hp, w + grp * H, b + grp * H, yp, mean_p, rstd_p,
+                            split.begin(t), split.end(t), H, eps, centered, stream_y);
+      });
+      return ffi::Error::Success();
+    });
+  });
+}
+
 }  // namespace
 
-ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer weight,
-                            ffi::AnyBuffer bias,
+ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                            ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                             ffi::Result<ffi::AnyBuffer> y,
                             ffi::ResultBuffer<ffi::F32> mean,
                             ffi::ResultBuffer<ffi::F32> rstd,
-                            ffi::Result<ffi::AnyBuffer> xhat, float eps,
-                            int64_t param_groups, bool has_weight, bool has_bias,
-                            bool centered, bool write_xhat) {
+                            ffi::Result<ffi::AnyBuffer> xhat, ffi::Result<ffi::AnyBuffer> h,
+                            float eps, int64_t param_groups, bool has_weight, bool has_bias,
+                            bool centered, bool write_xhat, bool has_residual) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x: expected rank 2 (rows, H)");
   const int64_t M = dims[0], H = dims[1], W = param_groups;
@@ -398,6 +504,12 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   if (xhat->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("xhat: dtype must match x");
   JNG_RETURN_IF_ERROR(CheckSize("xhat", xhat->element_count(), write_xhat ? M * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("residual", residual.element_count(), has_residual ? M * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("h", h->element_count(), has_residual ? M * H : 0));
+  if (has_residual && write_xhat)
+    return ffi::Error::InvalidArgument("write_xhat: not available with a residual");
+  if (has_residual && y->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("y: dtype must match x's with a residual");
   if (M == 0) return ffi::Error::Success();
   if (H == 0) return ffi::Error::InvalidArgument("x: normalized size must be positive");
   float* mean_p = centered ? mean->typed_data() : nullptr;
@@ -415,6 +527,13 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
     const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
+    if (has_residual) {
+      if constexpr (std::is_same_v<Ty, T>) {
+        return AddLayerNormFwd<T, Tp>(&pool, x.element_type(), xp, residual, *h, w, b, yp, mean_p, rstd_p, M, W, H,
+                                      eps, centered, stream_y);
+      }
+      return ffi::Error::InvalidArgument("y: dtype must match x's with a residual");
+    }
     if (UseColumnChunks(M / W, H)) {
       for (int64_t grp = 0; grp < W; ++grp)
         LayerNormFwdChunked(&pool, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
@@ -433,13 +552,14 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
 
 ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
-                            ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::AnyBuffer weight, ffi::AnyBuffer dh,
+                            ffi::Result<ffi::AnyBuffer> dx,
                             ffi::ResultBuffer<ffi::F32> dweight,
                             ffi::ResultBuffer<ffi::F32> dbias,
                             ffi::Result<ffi::AnyBuffer> xhat, int64_t param_groups,
                             bool has_weight, bool compute_dx, bool compute_dweight,
                             bool compute_dbias, bool centered, bool normalized,
-                            bool write_xhat) {
+                            bool write_xhat, bool has_dh) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x: expected rank 2 (rows, H)");
   const int64_t M = dims[0], H = dims[1], W = param_groups;
@@ -459,6 +579,11 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   JNG_RETURN_IF_ERROR(CheckSize("grad_input", dx->element_count(), compute_dx ? M * H : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_weight", dweight->element_count(), compute_dweight ? W * H : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_bias", dbias->element_count(), compute_dbias ? W * H : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("dh", dh.element_count(), has_dh ? M * H : 0));
+  if (has_dh && !compute_dx)
+    return ffi::Error::InvalidArgument("dh: added into grad_input, which is not computed");
+  if (has_dh && dh.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("dh: dtype must match x");
   float* dw_out = compute_dweight ? dweight->typed_data() : nullptr;
   float* db_out = compute_dbias ? dbias->typed_data() : nullptr;
   const int64_t rows_per_group = M / W;
@@ -521,11 +646,12 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
         compute_dx && (sizeof(T) == 4 || kStreamNarrowRows) &&
         StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
+    const T* dhp = has_dh ? reinterpret_cast<const T*>(dh.untyped_data()) : nullptr;
     WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
       using Op = LayerNormBwd<T, Tdy, Tp, decltype(kdx)::value, decltype(kdw)::value,
                               decltype(kdb)::value>;
       auto op_of = [&](int64_t grp) {
-        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dxp, xhp, H, centered, normalized,
+        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dhp, dxp, xhp, H, centered, normalized,
                   stream_dx};
       };
       if (column_chunks) {
@@ -562,18 +688,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormFwd), jax_normgrad::JNG_IS
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()               // x (M, H)
+                                  .Arg<xla::ffi::AnyBuffer>()  // residual (M, H) or (0): f32 or x's
                                   .Arg<xla::ffi::AnyBuffer>()  // weight (W, H) or (0): f32 or x's
                                   .Arg<xla::ffi::AnyBuffer>()  // bias (W, H) or (0): as weight
                                   .Ret<xla::ffi::AnyBuffer>()               // y (M, H)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (M) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (M)
                                   .Ret<xla::ffi::AnyBuffer>()               // xhat (M, H) or (0)
+                                  .Ret<xla::ffi::AnyBuffer>()  // h (M, H) or (0): f32 or x's
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("param_groups")
                                   .Attr<bool>("has_weight")
                                   .Attr<bool>("has_bias")
                                   .Attr<bool>("centered")
-                                  .Attr<bool>("write_xhat"));
+                                  .Attr<bool>("write_xhat")
+                                  .Attr<bool>("has_residual"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_ISA::LayerNormBwdImpl,
                               xla::ffi::Ffi::Bind()
@@ -583,6 +712,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_IS
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (M) or (0)
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (M)
                                   .Arg<xla::ffi::AnyBuffer>()  // weight (W, H) or (0): f32 or x's
+                                  .Arg<xla::ffi::AnyBuffer>()               // dh (M, H) or (0)
                                   .Ret<xla::ffi::AnyBuffer>()               // dx (M, H) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dweight (W, H) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dbias (W, H) or (0)
@@ -594,4 +724,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_IS
                                   .Attr<bool>("compute_dbias")
                                   .Attr<bool>("centered")
                                   .Attr<bool>("normalized")
-                                  .Attr<bool>("write_xhat"));
+                                  .Attr<bool>("write_xhat")
+                                  .Attr<bool>("has_dh"));

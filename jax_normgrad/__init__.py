@@ -20,6 +20,7 @@ from jax_normgrad._implementation import FallbackWarning  # noqa: E402
 from jax_normgrad._malloc import keep_freed_memory  # noqa: E402
 from jax_normgrad._sharding import ShardingWarning  # noqa: E402
 from jax_normgrad._validation import IMPLEMENTATIONS, SUPPORTED_DTYPES
+from jax_normgrad.ops.add_norm import add_layer_norm, add_rms_norm
 from jax_normgrad.ops.group_norm import group_norm, group_norm_backward, group_norm_fwd
 from jax_normgrad.ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_fwd
 from jax_normgrad.ops.layer_norm_grad import (layer_norm_backward_from_normalized, layer_norm_grad,
@@ -33,6 +34,8 @@ __all__ = [
     "IMPLEMENTATIONS",
     "SUPPORTED_DTYPES",
     "ShardingWarning",
+    "add_layer_norm",
+    "add_rms_norm",
     "export_safety_checks",
     "group_norm",
     "group_norm_backward",

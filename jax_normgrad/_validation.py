@@ -72,24 +72,26 @@ def check_param_dtype(name: str, param: jax.Array, x: jax.Array) -> None:
     raise TypeError(f"{name}: expected dtype {x.dtype} (x's dtype) or float32, got {param.dtype}")
 
 
-def check_out_dtype(out_dtype: Any, x: jax.Array) -> Any:
+def check_out_dtype(out_dtype: Any, x: jax.Array, name: str = "out_dtype") -> Any:
   """A layer's result dtype: None or x's dtype (returned as None), or float32.
 
   float32 with a 16-bit x is the mixed precision of a float32 model with
   16-bit activations: y in float32, rounded once, and x never copied to
   float32. Other combinations would round twice or need another kernel.
+  ``name``: the argument checked (``residual_dtype`` of the residual form
+  takes the same values).
   """
   if out_dtype is None:
     return None
   try:
     dt = jnp.dtype(out_dtype)
   except TypeError:
-    raise TypeError(f"out_dtype: expected None, {x.dtype} (x's dtype) or float32, "
+    raise TypeError(f"{name}: expected None, {x.dtype} (x's dtype) or float32, "
                     f"got {out_dtype!r}") from None
   if dt == x.dtype:
     return None
   if dt != F32:
-    raise TypeError(f"out_dtype: expected None, {x.dtype} (x's dtype) or float32, got {dt}")
+    raise TypeError(f"{name}: expected None, {x.dtype} (x's dtype) or float32, got {dt}")
   return dt
 
 

@@ -15,7 +15,7 @@ from jax_normgrad import _layers
 # checkpoints load unchanged and a fallback can call flax's ``__call__``. Only
 # ``__call__`` differs. Needs the ``flax`` extra; ``import jax_normgrad`` does not
 # import this module.
-__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "patch"]
+__all__ = ["AddLayerNorm", "AddRMSNorm", "GroupNorm", "LayerNorm", "RMSNorm", "patch"]
 
 # flax's classes, bound once at import: ``patch()`` replaces ``flax.linen.LayerNorm``
 # and the others, so a drop-in reaches the class it subclasses through these, never
@@ -205,6 +205,72 @@ class GroupNorm(_GroupNorm):
     return _layers.group_norm(x, groups, *params, batch_ndim=begin, channels_last=True,
                               eps=self.epsilon, out_dtype=out_dtype,
                               implementation=self.implementation)
+
+
+def _linen_add_norm(mdl, plain, x, residual, *, centered: bool):
+  """AddLayerNorm / AddRMSNorm ``__call__``: the fused kernels, or the add before the plain drop-in."""
+  x = jnp.asarray(x)
+  begin, feat, reason = _layers.plan_axes(x, mdl.reduction_axes, mdl.feature_axes)
+  reason = _option_reason(mdl, None) or reason
+  if reason is None and set(feat) != set(range(begin, x.ndim)):
+    reason = f"feature_axes={mdl.feature_axes!r} not every reduction axis"
+  names = [("scale", mdl.scale_init, mdl.use_scale)]
+  if centered:
+    names.append(("bias", mdl.bias_init, mdl.use_bias))
+  param_shape = list(x.shape[begin:]) if begin is not None else []
+  if reason is None:
+    reason = _unsupported_dtypes(mdl, x, param_shape, names)
+  if reason is None:
+    dtypes = [_param_dtype(mdl, name, init, param_shape) for name, init, used in names if used]
+    out = flax_dtypes.canonicalize_dtype(np.zeros((), x.dtype), *(np.zeros((), d) for d in dtypes),
+                                         dtype=mdl.dtype)
+    if jnp.dtype(out) != x.dtype:
+      reason = f"a result dtype {jnp.dtype(out)} other than x's {x.dtype}"
+  if reason is not None:
+    return _layers.add_norm(f"jax_normgrad.flax.{type(mdl).__name__}", x, residual, None, None,
+                            begin=begin, eps=mdl.epsilon, centered=centered,
+                            residual_dtype=mdl.residual_dtype, implementation=mdl.implementation,
+                            reason=reason, plain=lambda h: plain.__call__(mdl, h))
+  params = {name: mdl.param(name, init, param_shape, mdl.param_dtype)
+            for name, init, used in names if used}
+  return _layers.add_norm("", x, residual, params.get("scale"), params.get("bias"), begin=begin,
+                          eps=mdl.epsilon, centered=centered, residual_dtype=mdl.residual_dtype,
+                          implementation=mdl.implementation, reason=None, plain=None)
+
+
+_ADD_DOC = _layers.ADD_NORM_INTRO + """
+      y, h = AddLayerNorm()(attn_out, h)   # was: h = h + attn_out; y = LayerNorm()(h)
+
+  Attributes and parameters (names, shapes, checkpoints) are
+  ``{base}``'s, plus ``residual_dtype``. Where the fused kernels do not
+  apply (reduction or feature axes other than the trailing ones, a mask,
+  ``axis_name``, flax's result dtype other than x's, e.g. float32
+  parameters with a 16-bit x and ``dtype=None``) a one-time
+  ``FallbackWarning`` says so and the add runs before the plain drop-in
+  (y then normalizes the rounded h).
+"""
+
+
+class AddLayerNorm(LayerNorm):
+  __doc__ = "Residual add + :class:`LayerNorm` fused (flax.linen)." + _ADD_DOC.format(
+      fn="add_layer_norm", base="flax.linen.LayerNorm")
+
+  residual_dtype: jnp.dtype | None = None
+
+  @nn.compact
+  def __call__(self, x, residual):  # pylint: disable=arguments-differ
+    return _linen_add_norm(self, LayerNorm, x, residual, centered=True)
+
+
+class AddRMSNorm(RMSNorm):
+  __doc__ = "Residual add + :class:`RMSNorm` fused (flax.linen)." + _ADD_DOC.format(
+      fn="add_rms_norm", base="flax.linen.RMSNorm")
+
+  residual_dtype: jnp.dtype | None = None
+
+  @nn.compact
+  def __call__(self, x, residual):  # pylint: disable=arguments-differ
+    return _linen_add_norm(self, RMSNorm, x, residual, centered=False)
 
 
 def patch() -> _layers.Patch:

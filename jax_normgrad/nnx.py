@@ -14,7 +14,7 @@ from jax_normgrad import _layers
 # keyword ``rngs``), their ``nnx.Param`` s and attributes, so ``nnx.state`` and
 # checkpoints are the original's; ``__init__`` only gains ``implementation``. Needs the
 # ``flax`` extra; ``import jax_normgrad`` does not import this module.
-__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "patch"]
+__all__ = ["AddLayerNorm", "AddRMSNorm", "GroupNorm", "LayerNorm", "RMSNorm", "patch"]
 
 # flax.nnx's classes, bound once at import: ``patch()`` replaces ``flax.nnx.LayerNorm``
 # and the others, so a drop-in reaches the class it subclasses through these, never
@@ -185,6 +185,69 @@ class GroupNorm(_GroupNorm):
     return _layers.group_norm(_kernel_x(self, x, xp), self.num_groups, scale, bias, batch_ndim=1,
                               channels_last=True, eps=self.epsilon, out_dtype=out_dtype,
                               implementation=self.implementation)
+
+
+def _nnx_add_norm(mdl, plain, x, residual, *, centered: bool):
+  """AddLayerNorm / AddRMSNorm ``__call__``: the fused kernels, or the add before the plain drop-in."""
+  x = jnp.asarray(x)
+  scale, bias = _value(mdl.scale), (_value(mdl.bias) if centered else None)
+  begin, feat, reason = _layers.plan_axes(x, mdl.reduction_axes, mdl.feature_axes)
+  reason = _common_reason(mdl, x, None) or reason
+  if reason is None and set(feat) != set(range(begin, x.ndim)):
+    reason = f"feature_axes={mdl.feature_axes!r} not every reduction axis"
+  if reason is None and mdl.promote_dtype is not nnx_dtypes.promote_dtype:
+    reason = "a custom promote_dtype"
+  if reason is None:
+    out = nnx_dtypes.canonicalize_dtype(x, scale, bias, dtype=mdl.dtype)
+    reason = _layers.unsupported_dtypes(x=x.dtype, scale=_dtype(scale), bias=_dtype(bias),
+                                        result=out)
+    if reason is None and jnp.dtype(out) != x.dtype:
+      reason = f"a result dtype {jnp.dtype(out)} other than x's {x.dtype}"
+  trailing = x.shape[begin:] if begin is not None else None
+  if reason is None:
+    scale, bias = (None if p is None else p.reshape(trailing) for p in (scale, bias))
+  return _layers.add_norm(f"jax_normgrad.nnx.{type(mdl).__name__}", x, residual, scale, bias,
+                          begin=begin, eps=mdl.epsilon, centered=centered,
+                          residual_dtype=mdl.residual_dtype, implementation=mdl.implementation,
+                          reason=reason, plain=lambda h: plain.__call__(mdl, h))
+
+
+_ADD_DOC = _layers.ADD_NORM_INTRO + """
+      y, h = self.norm(attn_out, h)   # was: h = h + attn_out; y = self.norm(h)
+
+  ``{cls}(num_features, *, residual_dtype=None, **kwargs)``: the plain
+  drop-in's (``{base}``'s) arguments, parameters and state, plus
+  ``residual_dtype``. Where the fused kernels do not apply (reduction or
+  feature axes other than the trailing ones, ``axis_name``, a custom
+  ``promote_dtype``, a result dtype other than x's, e.g. float32 parameters
+  with a 16-bit x and ``dtype=None``) a one-time ``FallbackWarning`` says
+  so and the add runs before the plain drop-in (y then normalizes the
+  rounded h).
+"""
+
+
+class AddLayerNorm(LayerNorm):
+  __doc__ = "Residual add + :class:`LayerNorm` fused (flax.nnx)." + _ADD_DOC.format(
+      fn="add_layer_norm", cls="AddLayerNorm", base="flax.nnx.LayerNorm")
+
+  def __init__(self, num_features, *, residual_dtype=None, **kwargs):
+    super().__init__(num_features, **kwargs)
+    self.residual_dtype = residual_dtype
+
+  def __call__(self, x, residual):  # pylint: disable=arguments-differ
+    return _nnx_add_norm(self, LayerNorm, x, residual, centered=True)
+
+
+class AddRMSNorm(RMSNorm):
+  __doc__ = "Residual add + :class:`RMSNorm` fused (flax.nnx)." + _ADD_DOC.format(
+      fn="add_rms_norm", cls="AddRMSNorm", base="flax.nnx.RMSNorm")
+
+  def __init__(self, num_features, *, residual_dtype=None, **kwargs):
+    super().__init__(num_features, **kwargs)
+    self.residual_dtype = residual_dtype
+
+  def __call__(self, x, residual):  # pylint: disable=arguments-differ
+    return _nnx_add_norm(self, RMSNorm, x, residual, centered=False)
 
 
 def patch() -> _layers.Patch:

@@ -36,14 +36,19 @@ def _grouped(a, groups):
 
 
 def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, write_xhat=False,
-                   y_dtype=None):
-  """Returns ``[y, mean, rstd]`` (``[y, rstd]`` when not centered), then ``xhat`` if ``write_xhat``.
+                   y_dtype=None, residual=None, h_dtype=None):
+  """Returns ``[y, mean, rstd]`` (``[y, rstd]`` when not centered), then ``xhat`` if ``write_xhat``, then ``h``.
 
   y is rounded once to ``y_dtype`` (None: x's dtype); xhat is in x's dtype.
+  With a ``residual`` the input is ``h = x + residual`` summed in float32:
+  the statistics and y come from that unrounded sum, and ``h`` is also
+  returned, rounded once to ``h_dtype`` (None: x's dtype).
   """
   m, h = x.shape
   weight, bias = float32_or_none(weight), float32_or_none(bias)
   x32 = x.astype(F32)
+  if residual is not None:
+    x32 = x32 + residual.astype(F32)
   if centered:
     mean = jnp.mean(x32, axis=1)
     xc = x32 - mean[:, None]
@@ -59,7 +64,16 @@ def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, wr
     y = y + bias[:, None, :]
   y = y.reshape(m, h).astype(y_dtype or x.dtype)
   outs = [y, mean, rstd] if centered else [y, rstd]
-  return outs + [xhat.astype(x.dtype)] if write_xhat else outs
+  if write_xhat:
+    outs.append(xhat.astype(x.dtype))
+  if residual is not None:
+    outs.append(x32.astype(h_dtype or x.dtype))
+  return outs
+
+
+def split_dh(rest, has_dh):
+  """(the backward's operands after (dy, x) without dh, dh | None): dh comes last."""
+  return (rest[:-1], rest[-1]) if has_dh else (rest, None)
 
 
 def split_ln_bwd_operands(rest, centered, has_weight, normalized):
@@ -72,7 +86,7 @@ def split_ln_bwd_operands(rest, centered, has_weight, normalized):
 
 
 def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups,
-                   normalized=False, write_xhat=False):
+                   normalized=False, write_xhat=False, has_dh=False):
   """Returns the outputs of ``output_mask`` among ``[dx, dweight, dbias]``, then ``xhat`` if ``write_xhat``.
 
   ``xhat = (x - mean) * rstd``, ``g = dy * weight``,
@@ -80,8 +94,11 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   not centered), ``dweight = sum_rows dy * xhat``, ``dbias = sum_rows dy``.
   ``normalized``: ``x`` is ``xhat`` already (no ``mean`` operand) and ``rstd``
   only scales ``dx`` (it is empty when ``dx`` is masked out). ``dy`` is in x's
-  dtype or float32; dx and xhat are in x's dtype.
+  dtype or float32; dx and xhat are in x's dtype. ``has_dh``: a last operand
+  ``dh`` (x's dtype, the cotangent of the residual form's ``h``, whose ``x``
+  operand is h) is added to dx in float32 before its one rounding.
   """
+  rest, dh = split_dh(rest, has_dh)
   mean, rstd, weight = split_ln_bwd_operands(rest, centered, has_weight, normalized)
   weight = float32_or_none(weight)
   m, h = x.shape
@@ -102,7 +119,10 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
     inner = g - xhat * c2
     if centered:
       inner = inner - jnp.mean(g, axis=-1, keepdims=True)
-    outs.append((rstd_g * inner).reshape(m, h).astype(x.dtype))
+    dx = (rstd_g * inner).reshape(m, h)
+    if dh is not None:
+      dx = dx + dh.astype(F32)
+    outs.append(dx.astype(x.dtype))
   if output_mask[1]:
     outs.append(jnp.sum(dy32 * xhat, axis=1))
   if len(output_mask) > 2 and output_mask[2]:

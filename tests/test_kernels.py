@@ -56,8 +56,9 @@ def test_16bit_layer_norm_parameters_reach_the_kernels_unconverted():
                           argnums=(0, 1))).lower(x16, w16).as_text()
   calls = [l for l in text.splitlines() if "custom_call @jax_normgrad_layer_norm" in l]
   assert len(calls) == 2
-  assert "(tensor<8x32xbf16>, tensor<1x32xbf16>, tensor<1x32xbf16>) ->" in calls[0]  # x, w, b
-  assert "tensor<8xf32>, tensor<1x32xbf16>) ->" in calls[1]  # ..., rstd, w
+  # x, (no residual), w, b
+  assert "(tensor<8x32xbf16>, tensor<0xf32>, tensor<1x32xbf16>, tensor<1x32xbf16>) ->" in calls[0]
+  assert "tensor<8xf32>, tensor<1x32xbf16>, tensor<0xf32>) ->" in calls[1]  # ..., rstd, w, (no dh)
   assert "convert" not in text.split("custom_call @jax_normgrad_layer_norm_fwd")[0]
 
 
@@ -168,50 +169,68 @@ BAD_FFI_CALLS = [
     # rstd of the wrong length.
     ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8)), _sds((0,))],
      (np.ones((4, 8), np.float32), np.ones((4, 8), np.float32), np.ones(4, np.float32),
-      np.ones(3, np.float32), None),
+      np.ones(3, np.float32), None, None),
      dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
-          compute_dbias=True, centered=True, normalized=False, write_xhat=False), "rstd"),
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False), "rstd"),
     # dy of another dtype than x.
     ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8)), _sds((0,))],
      (np.ones((4, 8), np.float16), np.ones((4, 8), np.float32), np.ones(4, np.float32),
-      np.ones(4, np.float32), None),
+      np.ones(4, np.float32), None, None),
      dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
-          compute_dbias=True, centered=True, normalized=False, write_xhat=False), "grad_out"),
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False), "grad_out"),
     # y neither x's dtype nor float32.
     ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.float16), _sds((4,)), _sds((4,)),
-                                     _sds((0,), jnp.bfloat16)],
-     (np.ones((4, 8), jnp.bfloat16), None, None),
+                                     _sds((0,), jnp.bfloat16), _sds((0,), jnp.bfloat16)],
+     (np.ones((4, 8), jnp.bfloat16), None, None, None),
      dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True,
-          write_xhat=False),
+          write_xhat=False, has_residual=False),
      "y: dtype must be x's or float32"),
     # weight and bias of different dtypes.
     ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.bfloat16), _sds((4,)), _sds((4,)),
-                                     _sds((0,), jnp.bfloat16)],
-     (np.ones((4, 8), jnp.bfloat16), np.ones((1, 8), jnp.bfloat16), np.ones((1, 8), np.float32)),
+                                     _sds((0,), jnp.bfloat16), _sds((0,), jnp.bfloat16)],
+     (np.ones((4, 8), jnp.bfloat16), None, np.ones((1, 8), jnp.bfloat16), np.ones((1, 8), np.float32)),
      dict(eps=1e-5, param_groups=1, has_weight=True, has_bias=True, centered=True,
-          write_xhat=False),
+          write_xhat=False, has_residual=False),
      "bias: dtype must match weight's"),
     # a weight neither x's dtype nor float32.
     ("jax_normgrad_layer_norm_bwd", [_sds((4, 8), jnp.bfloat16), _sds((1, 8)), _sds((1, 8)),
                                      _sds((0,), jnp.bfloat16)],
      (np.ones((4, 8), jnp.bfloat16), np.ones((4, 8), jnp.bfloat16), np.ones(4, np.float32),
-      np.ones(4, np.float32), np.ones((1, 8), np.float16)),
+      np.ones(4, np.float32), np.ones((1, 8), np.float16), None),
      dict(param_groups=1, has_weight=True, compute_dx=True, compute_dweight=True,
-          compute_dbias=True, centered=True, normalized=False, write_xhat=False),
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False),
      "weight: dtype must be x's or float32"),
     # param_groups that does not divide the rows.
-    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8)), _sds((4,)), _sds((4,)), _sds((0,))],
-     (np.ones((4, 8), np.float32), None, None),
+    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8)), _sds((4,)), _sds((4,)), _sds((0,)), _sds((0,))],
+     (np.ones((4, 8), np.float32), None, None, None),
      dict(eps=1e-5, param_groups=3, has_weight=False, has_bias=False, centered=True,
-          write_xhat=False),
+          write_xhat=False, has_residual=False),
      "param_groups"),
     # integer x.
     ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.int32), _sds((4,)), _sds((4,)),
-                                     _sds((0,), jnp.int32)],
-     (np.ones((4, 8), np.int32), None, None),
+                                     _sds((0,), jnp.int32), _sds((0,), jnp.int32)],
+     (np.ones((4, 8), np.int32), None, None, None),
      dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True,
-          write_xhat=False),
+          write_xhat=False, has_residual=False),
      "unsupported dtype"),
+    # a residual of the wrong size.
+    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8)), _sds((4,)), _sds((4,)), _sds((0,)), _sds((4, 8))],
+     (np.ones((4, 8), np.float32), np.ones((3, 8), np.float32), None, None),
+     dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True,
+          write_xhat=False, has_residual=True), "residual"),
+    # an h neither x's dtype nor float32.
+    ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.bfloat16), _sds((4,)), _sds((4,)),
+                                     _sds((0,), jnp.bfloat16), _sds((4, 8), jnp.float16)],
+     (np.ones((4, 8), jnp.bfloat16), np.ones((4, 8), jnp.bfloat16), None, None),
+     dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True,
+          write_xhat=False, has_residual=True), "h: dtype must be x's or float32"),
+    # dh without dx.
+    ("jax_normgrad_layer_norm_bwd", [_sds((0,)), _sds((1, 8)), _sds((1, 8)), _sds((0,))],
+     (np.ones((4, 8), np.float32), np.ones((4, 8), np.float32), np.ones(4, np.float32),
+      np.ones(4, np.float32), None, np.ones((4, 8), np.float32)),
+     dict(param_groups=1, has_weight=False, compute_dx=False, compute_dweight=True,
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=True),
+     "dh"),
     # group that does not divide C.
     ("jax_normgrad_group_norm_bwd", [_sds((2, 6, 5)), _sds((1, 6)), _sds((1, 6))],
      (np.ones((2, 6, 5), np.float32), np.ones((2, 6, 5), np.float32), np.ones((2, 4), np.float32),
@@ -288,7 +307,7 @@ def test_other_isa_builds_are_correct_too(isa):
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
        os.path.join(here, "test_layer_norm.py"), os.path.join(here, "test_group_norm.py"),
-       os.path.join(here, "test_streaming.py"),
+       os.path.join(here, "test_streaming.py"), os.path.join(here, "test_add_norm.py"),
        "-k", "(Default and (backward or forward) and not long_row) or stream"],
       env=env, capture_output=True, text=True)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

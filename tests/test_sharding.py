@@ -140,6 +140,37 @@ def test_rms_norm_training_step():
 
 
 @eight
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_add_layer_norm_sharded_jit_and_shard_map(check_vma):
+  """The residual form: rows sharded, the kernels on local rows, parameter gradients psum-ed."""
+  mesh = _mesh((8,), ("d",))
+  R = _normal(3, X.shape)
+
+  def loss(x, r, w, b):
+    y, h = jn.add_layer_norm(x, r, w, b)
+    return jnp.sum(jnp.sin(y)) + jnp.sum(h * jnp.cos(jnp.arange(64)))
+
+  def ref_loss(x, r, w, b):
+    h = x + r
+    return jnp.sum(jnp.sin(_ref_ln(h, w, b))) + jnp.sum(h * jnp.cos(jnp.arange(64)))
+
+  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  args = (_put(X, mesh, "d"), _put(R, mesh, "d"), _put(W, mesh), _put(B, mesh))
+  want = jax.grad(ref_loss, argnums=(0, 1, 2, 3))(X, R, W, B)
+  _close(g(*args), want, atol=1e-3)
+  hlo = _hlo(g, *args)
+  _check_local(hlo, "jax_normgrad_layer_norm_fwd", (16, 64))
+  _check_local(hlo, "jax_normgrad_layer_norm_bwd", (16, 64))
+  # Under shard_map, against the jnp code's gradients there (without check_vma
+  # neither psums the replicated parameters' gradients).
+  got, want = (jax.jit(jax.shard_map(jax.grad(fn, argnums=(0, 1, 2, 3)), mesh=mesh,
+                                     in_specs=(P("d"), P("d"), P(), P()),
+                                     out_specs=(P("d"), P("d"), P(), P()), check_vma=check_vma))(
+                                         X, R, W, B) for fn in (loss, ref_loss))
+  _close(got, want, atol=1e-3)
+
+
+@eight
 @pytest.mark.parametrize("channel_axis", [1, -1])
 def test_group_norm_batch_sharded(channel_axis):
   mesh = _mesh((8,), ("d",))

@@ -191,16 +191,18 @@ def test_kernels_check_sizes(target):
   x = jnp.zeros((4, 8), F32)
   if target.endswith("fwd"):
     outs = [jax.ShapeDtypeStruct((4, 8), F32), jax.ShapeDtypeStruct((0,), F32),
-            jax.ShapeDtypeStruct((4,), F32), jax.ShapeDtypeStruct((5, 8), F32)]
-    call = lambda: _ffi.call(target, outs, x, None, None, eps=1e-5, param_groups=1,
-                             has_weight=False, has_bias=False, centered=False, write_xhat=True)
+            jax.ShapeDtypeStruct((4,), F32), jax.ShapeDtypeStruct((5, 8), F32),
+            jax.ShapeDtypeStruct((0,), F32)]
+    call = lambda: _ffi.call(target, outs, x, None, None, None, eps=1e-5, param_groups=1,
+                             has_weight=False, has_bias=False, centered=False, write_xhat=True,
+                             has_residual=False)
   else:
     outs = [jax.ShapeDtypeStruct((4, 8), F32), jax.ShapeDtypeStruct((0,), F32),
             jax.ShapeDtypeStruct((0,), F32), jax.ShapeDtypeStruct((0,), F32)]
     # normalized with dx computed needs an (M,) rstd; give it an empty one.
-    call = lambda: _ffi.call(target, outs, x, x, None, jnp.zeros((0,), F32), None,
+    call = lambda: _ffi.call(target, outs, x, x, None, jnp.zeros((0,), F32), None, None,
                              param_groups=1, has_weight=False, compute_dx=True,
                              compute_dweight=False, compute_dbias=False, centered=True,
-                             normalized=True, write_xhat=False)
+                             normalized=True, write_xhat=False, has_dh=False)
   with pytest.raises(Exception, match="xhat|rstd"):
     jax.block_until_ready(jax.jit(call)())

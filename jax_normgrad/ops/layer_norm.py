@@ -45,13 +45,16 @@ def _rows_and_width(x, norm_ndim):
 
 
 def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scale_offset=0.0,
-         write_xhat=False, y_dtype=None):
+         write_xhat=False, y_dtype=None, residual=None, h_dtype=None):
   """Canonical forward (LayerNorm, or RMSNorm when not ``centered``).
 
-  Returns ``(y, mean, rstd, xhat)``: y with x's shape, in ``y_dtype`` (None:
+  Returns ``(y, mean, rstd, xhat, h)``: y with x's shape, in ``y_dtype`` (None:
   x's dtype; else float32, see ``v.check_out_dtype``); float32
   mean (None when not centered) and rstd of shape ``A``, x's leading dims;
-  xhat with x's shape and dtype when ``write_xhat``, else None. The leading
+  xhat with x's shape and dtype when ``write_xhat``, else None. With a
+  ``residual`` (x's shape) the normalized input is ``h = x + residual``,
+  summed in float32 and returned as ``h`` in ``h_dtype`` (None: x's
+  dtype); else ``h`` is None. The leading
   dims are merged into rows on each device (see ``_sharding.bind``), so a
   sharded batch or sequence dim stays sharded.
   """
@@ -60,20 +63,23 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   # No leading dims: one row, as a unit dim (a (0,) row operand would read as
   # an empty placeholder to the sharding wrapper).
   lead_shape = x.shape[:lead] or (1,)
+  rows = lead_shape + (h,)
+  extra = {} if residual is None else dict(has_residual=True, h_dtype=h_dtype)
   outs = list(_sharding.bind(
-      layer_norm_fwd_p, x.reshape(lead_shape + (h,)),
+      layer_norm_fwd_p, x.reshape(rows), *present(None if residual is None else residual.reshape(rows)),
       *present(*kernel_params(weight, bias, (1, h), scale_offset)),
       lead=len(lead_shape), eps=eps, centered=centered, has_weight=weight is not None, has_bias=bias is not None,
-      param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype, implementation=implementation))
+      param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype, implementation=implementation, **extra))
   y = outs.pop(0).reshape(x.shape)
   mean = outs.pop(0).reshape(x.shape[:lead]) if centered else None
   rstd = outs.pop(0).reshape(x.shape[:lead])
   xhat = outs.pop(0).reshape(x.shape) if write_xhat else None
-  return y, mean, rstd, xhat
+  h_out = outs.pop(0).reshape(x.shape) if residual is not None else None
+  return y, mean, rstd, xhat, h_out
 
 
 def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, centered=True,
-         scale_offset=0.0, normalized=False, write_xhat=False):
+         scale_offset=0.0, normalized=False, write_xhat=False, dh=None):
   """Canonical backward on the backward kernel, every LayerNorm / RMSNorm form of it.
 
   ``mean``/``rstd``: any shape with M elements (``mean`` ignored when not
@@ -82,8 +88,9 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   ``dy`` is in x's dtype or float32 (the cotangent of a float32 y).
   Returns the masked ``(dx, dweight, dbias)``, dx with x's shape and dtype,
   the parameter gradients float32 with the normalized shape; then xhat (x's
-  shape and dtype) when ``write_xhat``. As in ``_fwd``, x's leading dims
-  are merged into rows on each device.
+  shape and dtype) when ``write_xhat``. ``dh`` (x's shape and dtype; needs
+  dx): added into dx in float32 (the residual form, whose x is h). As in
+  ``_fwd``, x's leading dims are merged into rows on each device.
   """
   lead = x.ndim - norm_ndim
   norm_shape = x.shape[lead:]
@@ -94,12 +101,14 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   stats = [as_f32(mean, lead_shape)] if centered and not normalized else []
   # An unused rstd travels as an empty operand (the kernel checks it is one).
   stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, lead_shape))
+  extra = {} if dh is None else dict(has_dh=True)
   outs = _sharding.bind(
       layer_norm_bwd_p, dy.reshape(rows), x.reshape(rows), *stats,
-      *present(kernel_params(weight, None, (1, h), scale_offset)[0]), lead=len(lead_shape),
+      *present(kernel_params(weight, None, (1, h), scale_offset)[0]),
+      *present(None if dh is None else dh.reshape(rows)), lead=len(lead_shape),
       centered=centered,
       has_weight=weight is not None, output_mask=output_mask, param_groups=1,
-      normalized=normalized, write_xhat=write_xhat, implementation=implementation)
+      normalized=normalized, write_xhat=write_xhat, implementation=implementation, **extra)
   to_x = lambda a: a.reshape(x.shape)
   to_param = lambda a: a.reshape(norm_shape)
   return unmask(outs, output_mask + (True,) * write_xhat, (to_x, to_param, to_param, to_x))
@@ -136,7 +145,7 @@ def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, sca
   eps = v.check_eps(eps)
   scale_offset = v.check_scale_offset(scale_offset, weight)
   implementation = v.check_implementation(implementation)
-  y, mean, rstd, _ = _fwd(x, weight, bias, len(norm_shape), eps, implementation,
+  y, mean, rstd, _, _ = _fwd(x, weight, bias, len(norm_shape), eps, implementation,
                           scale_offset=scale_offset)
   stats_shape = _stats_shape(x, len(norm_shape))
   return y, mean.reshape(stats_shape), rstd.reshape(stats_shape)
@@ -243,7 +252,7 @@ def _norm_layer_fwd(x, weight, bias, cfg):
   # Without weight and bias y is xhat, bit for bit (in x's dtype): save it
   # instead of a copy.
   write_xhat = normalized and (weight is not None or bias is not None or cfg.out_dtype is not None)
-  y, mean, rstd, xhat = _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation,
+  y, mean, rstd, xhat, _ = _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation,
                              centered=cfg.centered, scale_offset=cfg.scale_offset,
                              write_xhat=write_xhat, y_dtype=cfg.out_dtype)
   # Residuals: x or xhat in x's dtype, float32 (M,) statistics and the small

@@ -39,7 +39,7 @@ def rms_norm_fwd(x, normalized_shape, weight=None, eps=1e-6, *, scale_offset=0.0
   eps = v.check_eps(eps)
   scale_offset = v.check_scale_offset(scale_offset, weight)
   implementation = v.check_implementation(implementation)
-  y, _, rstd, _ = _fwd(x, weight, None, len(norm_shape), eps, implementation, centered=False,
+  y, _, rstd, _, _ = _fwd(x, weight, None, len(norm_shape), eps, implementation, centered=False,
                        scale_offset=scale_offset)
   return y, rstd.reshape(_stats_shape(x, len(norm_shape)))
 

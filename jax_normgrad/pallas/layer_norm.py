@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_normgrad import reference
+from jax_normgrad import _implementation, reference
 from jax_normgrad.pallas import common
 
 F32 = jnp.float32
@@ -28,14 +28,34 @@ def _xhat(x, mean, rstd):
   return (x32 * rstd[:, None]).astype(x.dtype)
 
 
+def _warn_residual_unfused():
+  _implementation._warn_once(  # pylint: disable=protected-access
+      "jax_normgrad: the Pallas kernels do not fuse the residual add yet: add_layer_norm / "
+      "add_rms_norm run h = x + residual (and the backward's add of h's cotangent) as XLA "
+      "fusions around the Pallas LayerNorm kernels, on float32 copies (same results, more "
+      "memory traffic than the CPU kernels' one pass).")
+
+
 def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
-                   y_dtype, interpret):
+                   y_dtype, interpret, has_residual=False, h_dtype=None):
   """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``, then xhat if asked.
 
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
   ``rstd = 1 / sqrt(sum((x - mean)^2) / H + eps)``,
   ``y = (x - mean) * rstd * weight + bias``, in ``y_dtype`` (None: x's).
+  ``has_residual``: the first parameter operand is a residual; the kernel
+  normalizes the float32 sum ``x + residual`` (y rounded once to x's dtype)
+  and ``h`` (in ``h_dtype``) follows the other outputs.
   """
+  if has_residual:
+    _warn_residual_unfused()
+    residual, *params = params
+    h32 = x.astype(F32) + residual.astype(F32)
+    outs = layer_norm_fwd(h32, *params, eps=eps, centered=centered, has_weight=has_weight,
+                          has_bias=has_bias, param_groups=param_groups, write_xhat=write_xhat,
+                          y_dtype=None, interpret=interpret)
+    outs[0] = outs[0].astype(y_dtype or x.dtype)
+    return outs + [h32.astype(h_dtype or x.dtype)]
   # The tiles compute in float32; 16-bit parameters are converted first.
   weight, bias = map(reference.float32_or_none, common.unpack(params, has_weight, has_bias))
   seg = _rows(x, centered, param_groups)
@@ -48,7 +68,7 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
 
 
 def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-                   write_xhat, interpret):
+                   write_xhat, interpret, has_dh=False):
   """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
 
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row (no
@@ -56,9 +76,22 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   ``dbias = sum_rows dy``, per parameter group, float32.
 
   ``normalized``: x holds xhat already (no mean operand; rstd, present only when
-  dx is asked for, scales dx alone). The kernel then runs with mean 0 and rstd
+  dx is asked for, scales dx alone).
+  ``has_dh``: a last operand dh is added to dx, in float32 before dx's one
+  rounding (the kernel then runs on float32 x and dy). The kernel then runs with mean 0 and rstd
   1, which reproduces xhat exactly, and dx is scaled by rstd in an XLA fusion.
   """
+  if has_dh:
+    _warn_residual_unfused()
+    *rest, dh = rest
+    outs = layer_norm_bwd(dy.astype(F32), x.astype(F32), *rest, centered=centered,
+                          has_weight=has_weight, output_mask=output_mask,
+                          param_groups=param_groups, normalized=normalized,
+                          write_xhat=write_xhat, interpret=interpret)
+    outs[0] = (outs[0] + dh.astype(F32)).astype(x.dtype)
+    if write_xhat:
+      outs[-1] = outs[-1].astype(x.dtype)
+    return outs
   mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
   m = x.shape[0]
   mean, rstd, weight = reference.split_ln_bwd_operands(rest, centered, has_weight, normalized)

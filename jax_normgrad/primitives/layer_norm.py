@@ -15,6 +15,13 @@ Two flags serve the vendor forms of the backward on the same kernels:
 output of either primitive, and ``normalized`` makes the backward read its
 ``x`` operand as ``xhat`` (no ``mean`` operand; ``rstd`` only scales ``dx`` and
 is an empty ``(0,)`` array when ``dx`` is masked out).
+
+The residual form (``add_layer_norm`` / ``add_rms_norm``) runs on the same
+primitives: the forward's ``has_residual`` adds a ``residual`` operand after
+x (x's dtype or float32), normalizes ``h = x + residual`` summed in float32
+and returns h (in ``h_dtype``, None: x's dtype) as a last output; the
+backward's ``has_dh`` adds a last operand ``dh`` (the cotangent of h, in the
+dtype of the backward's x operand, which is then h) that is added into dx.
 """
 
 from __future__ import annotations
@@ -30,15 +37,16 @@ F32 = jnp.float32
 
 
 # ----------------------------------------------------------------------------
-# Forward with statistics: (x, [weight], [bias]) -> (y, [mean], rstd)
+# Forward with statistics: (x, [residual], [weight], [bias]) -> (y, [mean], rstd, [xhat], [h])
 
 
 def _fwd_abstract(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
-                  y_dtype, implementation):
+                  y_dtype, implementation, has_residual=False, h_dtype=None):
   del params, eps, has_weight, has_bias, param_groups, implementation
   m = x.shape[0]
   stats = [shaped((m,), F32)] * (2 if centered else 1)
-  return [shaped(x.shape, y_dtype or x.dtype)] + stats + ([shaped(x.shape, x.dtype)] if write_xhat else [])
+  return ([shaped(x.shape, y_dtype or x.dtype)] + stats
+          + [shaped(x.shape, x.dtype)] * write_xhat + [shaped(x.shape, h_dtype or x.dtype)] * has_residual)
 
 
 def _split_params(params, has_weight, has_bias):
@@ -48,24 +56,35 @@ def _split_params(params, has_weight, has_bias):
   return weight, bias
 
 
-def _fwd_xla(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat, y_dtype):
-  weight, bias = _split_params(params, has_weight, has_bias)
+def _split_residual(params, has_weight, has_bias, has_residual):
+  """(residual | None, weight | None, bias | None) from the forward's operands after x."""
+  residual, params = (params[0], params[1:]) if has_residual else (None, params)
+  return (residual,) + _split_params(params, has_weight, has_bias)
+
+
+def _fwd_xla(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat, y_dtype,
+             has_residual=False, h_dtype=None):
+  residual, weight, bias = _split_residual(params, has_weight, has_bias, has_residual)
   return reference.layer_norm_fwd(x, weight, bias, eps=eps, centered=centered,
                                   param_groups=param_groups, write_xhat=write_xhat,
-                                  y_dtype=y_dtype)
+                                  y_dtype=y_dtype, residual=residual, h_dtype=h_dtype)
 
 
-def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat, y_dtype):
-  weight, bias = _split_params(params, has_weight, has_bias)
+def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat, y_dtype,
+             has_residual=False, h_dtype=None):
+  residual, weight, bias = _split_residual(params, has_weight, has_bias, has_residual)
   m = x.shape[0]
   out_types = [jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype),
                jax.ShapeDtypeStruct((m if centered else 0,), F32),
                jax.ShapeDtypeStruct((m,), F32),
-               jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype)]
-  y, mean, rstd, xhat = _ffi.call("jax_normgrad_layer_norm_fwd", out_types, x, weight, bias,
-                                  eps=eps, param_groups=param_groups, has_weight=has_weight,
-                                  has_bias=has_bias, centered=centered, write_xhat=write_xhat)
-  return [y] + ([mean] if centered else []) + [rstd] + ([xhat] if write_xhat else [])
+               jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype),
+               jax.ShapeDtypeStruct(x.shape if has_residual else (0,), h_dtype or x.dtype)]
+  y, mean, rstd, xhat, h = _ffi.call(
+      "jax_normgrad_layer_norm_fwd", out_types, x, residual, weight, bias, eps=eps,
+      param_groups=param_groups, has_weight=has_weight, has_bias=has_bias, centered=centered,
+      write_xhat=write_xhat, has_residual=has_residual)
+  return ([y] + ([mean] if centered else []) + [rstd] + ([xhat] if write_xhat else [])
+          + ([h] if has_residual else []))
 
 
 # Axis names for the partitioning rule (``_sharding.register_roles``): rows
@@ -73,9 +92,10 @@ def _fwd_ffi(x, *params, eps, centered, has_weight, has_bias, param_groups, writ
 _ROWS, _STATS, _PARAM = ("r", "h"), ("r",), ("w", "h")
 
 
-def _fwd_roles(n_in, *, centered, write_xhat, **params):
+def _fwd_roles(n_in, *, centered, write_xhat, has_residual=False, **params):
   del params
-  return [_ROWS] + [_PARAM] * (n_in - 1), [_ROWS] + [_STATS] * (1 + centered) + [_ROWS] * write_xhat
+  return ([_ROWS] * (1 + has_residual) + [_PARAM] * (n_in - 1 - has_residual),
+          [_ROWS] + [_STATS] * (1 + centered) + [_ROWS] * (write_xhat + has_residual))
 
 
 layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
@@ -84,12 +104,14 @@ layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
 
 
 # ----------------------------------------------------------------------------
-# Backward: (dy, x, [mean], rstd, [weight]) -> the output_mask'ed of (dx, dweight, dbias), [xhat]
+# Backward: (dy, x, [mean], rstd, [weight], [dh]) -> the output_mask'ed of (dx, dweight, dbias), [xhat]
 
 
 def _bwd_abstract(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-                  write_xhat, implementation):
+                  write_xhat, implementation, has_dh=False):
   del dy, rest, centered, has_weight, normalized, implementation
+  if has_dh and not output_mask[0]:
+    raise ValueError("has_dh: dh is added into dx, which output_mask leaves out")
   outs = []
   if output_mask[0]:
     outs.append(shaped(x.shape, x.dtype))
@@ -100,14 +122,15 @@ def _bwd_abstract(dy, x, *rest, centered, has_weight, output_mask, param_groups,
 
 
 def _bwd_xla(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-             write_xhat):
+             write_xhat, has_dh=False):
   return reference.layer_norm_bwd(dy, x, *rest, centered=centered, has_weight=has_weight,
                                   output_mask=output_mask, param_groups=param_groups,
-                                  normalized=normalized, write_xhat=write_xhat)
+                                  normalized=normalized, write_xhat=write_xhat, has_dh=has_dh)
 
 
 def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-             write_xhat):
+             write_xhat, has_dh=False):
+  rest, dh = reference.split_dh(rest, has_dh)
   mean, rstd, weight = reference.split_ln_bwd_operands(rest, centered, has_weight, normalized)
   mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
   h = x.shape[1]
@@ -115,17 +138,17 @@ def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups, norm
                jax.ShapeDtypeStruct((param_groups, h) if mask[1] else (0,), F32),
                jax.ShapeDtypeStruct((param_groups, h) if mask[2] else (0,), F32),
                jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype)]
-  outs = _ffi.call("jax_normgrad_layer_norm_bwd", out_types, dy, x, mean, rstd, weight,
+  outs = _ffi.call("jax_normgrad_layer_norm_bwd", out_types, dy, x, mean, rstd, weight, dh,
                    param_groups=param_groups, has_weight=has_weight, compute_dx=mask[0],
                    compute_dweight=mask[1], compute_dbias=mask[2], centered=centered,
-                   normalized=normalized, write_xhat=write_xhat)
+                   normalized=normalized, write_xhat=write_xhat, has_dh=has_dh)
   return [o for o, m in zip(outs, mask + (write_xhat,)) if m]
 
 
-def _bwd_roles(n_in, *, has_weight, output_mask, write_xhat, **params):
+def _bwd_roles(n_in, *, has_weight, output_mask, write_xhat, has_dh=False, **params):
   del params
-  n_stats = n_in - 2 - has_weight
-  return ([_ROWS, _ROWS] + [_STATS] * n_stats + [_PARAM] * has_weight,
+  n_stats = n_in - 2 - has_weight - has_dh
+  return ([_ROWS, _ROWS] + [_STATS] * n_stats + [_PARAM] * has_weight + [_ROWS] * has_dh,
           [_ROWS] * output_mask[0] + [_PARAM] * sum(output_mask[1:]) + [_ROWS] * write_xhat)
 
 

@@ -1,0 +1,155 @@
+"""The residual form of LayerNorm / RMSNorm: ``h = x + residual``, ``y = norm(h)``, in one kernel pass each way."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_normgrad import _sharding, _validation as v
+from jax_normgrad.ops.layer_norm import _bwd, _check_forward_args, _fwd
+
+
+class _AddConfig(NamedTuple):
+  """The static configuration of one residual-form call."""
+  norm_ndim: int
+  eps: float
+  centered: bool  # False: RMSNorm.
+  h_dtype: jnp.dtype | None  # None: x's dtype.
+  x_dtype: jnp.dtype
+  residual_dtype: jnp.dtype
+  implementation: str | None
+
+
+def _forward(x, residual, weight, bias, cfg):
+  y, mean, rstd, _, h = _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation,
+                             centered=cfg.centered, residual=residual, h_dtype=cfg.h_dtype)
+  return y, h, mean, rstd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _add_norm_layer(x, residual, weight, bias, cfg):
+  return _forward(x, residual, weight, bias, cfg)[:2]
+
+
+def _add_norm_layer_fwd(x, residual, weight, bias, cfg):
+  y, h, mean, rstd = _forward(x, residual, weight, bias, cfg)
+  # The backward works from the stored h (the next block keeps it alive
+  # anyway), float32 (M,) statistics and the small parameters: nothing else
+  # tensor-sized is saved.
+  return (y, h), (h, mean, rstd, weight, bias)
+
+
+def _add_norm_layer_bwd(cfg, res, cotangents):
+  h, mean, rstd, weight, bias = res
+  dy, dh = cotangents
+  # The kernel reads dy in h's dtype or float32; a 16-bit dy with a float32 h
+  # (residual_dtype=float32) is widened first.
+  if dy.dtype != h.dtype and dy.dtype != jnp.float32:
+    dy = dy.astype(h.dtype)
+  mask = (True, weight is not None, bias is not None)
+  # Likewise a 16-bit weight (small: cheap to widen).
+  kernel_weight = weight
+  if weight is not None and weight.dtype not in (h.dtype, jnp.float32):
+    kernel_weight = weight.astype(jnp.float32)
+  dg, dw, db = _bwd(dy, h, mean, rstd, kernel_weight, mask, cfg.norm_ndim, cfg.implementation,
+                    centered=cfg.centered, dh=dh.astype(h.dtype))
+  # One gradient for x and residual (d h / d x = d h / d residual = 1), in each one's dtype.
+  dx, dres = dg.astype(cfg.x_dtype), dg.astype(cfg.residual_dtype)
+  dw = None if dw is None else dw.astype(weight.dtype)
+  db = None if db is None else db.astype(bias.dtype)
+  return (_sharding.sum_to_varying(dx, h), _sharding.sum_to_varying(dres, h),
+          _sharding.sum_to_varying(dw, weight), _sharding.sum_to_varying(db, bias))
+
+
+_add_norm_layer.defvjp(_add_norm_layer_fwd, _add_norm_layer_bwd)
+
+
+def _check_residual(residual, x):
+  residual = v.as_array("residual", residual)
+  v.check_float_dtype("residual", residual)
+  v.check_param_dtype("residual", residual, x)
+  v.check_same_shape("residual", residual, "x", x)
+  return residual
+
+
+def _add_norm(x, residual, weight, bias, normalized_shape, eps, residual_dtype, implementation,
+              centered):
+  x, norm_shape, weight, bias = _check_forward_args(x, normalized_shape, weight, bias)
+  residual = _check_residual(residual, x)
+  cfg = _AddConfig(len(norm_shape), v.check_eps(eps), centered,
+                   v.check_out_dtype(residual_dtype, x, name="residual_dtype"), x.dtype,
+                   residual.dtype, v.check_implementation(implementation))
+  return _add_norm_layer(x, residual, weight, bias, cfg)
+
+
+_SHARED_DOC = """
+  ``h = x + residual`` is summed in float32 and stored once rounded to
+  ``residual_dtype``; the statistics and ``y`` come from the unrounded
+  float32 sum (as flash-attn's and quack's fused kernels do), so ``y`` is
+  the norm of the exact sum whatever ``residual_dtype``. The backward works
+  from the stored ``h`` with the forward's statistics (``h`` flows on to the
+  next block, so nothing else tensor-sized is saved): with a 16-bit
+  ``residual_dtype`` its ``xhat`` carries ``h``'s rounding, as flash-attn's;
+  ``residual_dtype=float32`` (flash-attn's ``residual_in_fp32``) makes both
+  exact. It writes one gradient, ``dy``'s contribution plus the incoming
+  cotangent of ``h``, which is the gradient of both ``x`` and ``residual``
+  (returned in each one's dtype), plus the parameter gradients. On CPU the
+  forward is one pass (read x and residual, write h and y) and the backward
+  one pass of the LayerNorm kernels; works under ``jit``, ``vmap`` (batched
+  residual, per-example weights), sharded ``jit`` / ``shard_map`` (rows
+  sharded) and ``grad(grad)`` as :func:`jax_normgrad.layer_norm`.
+"""
+
+
+def add_layer_norm(x, residual, weight=None, bias=None, *, normalized_shape=None, eps=1e-5,
+                   residual_dtype=None, implementation=None):
+  """Fused residual add + LayerNorm of a pre-norm block: ``h = x + residual``, ``y = layer_norm(h)``.
+{shared}
+  Args:
+    x: float32, float16 or bfloat16 array (a block's output).
+    residual: the residual stream, x's shape, in x's dtype or float32.
+    weight, bias: optional, shape ``normalized_shape``, x's dtype or float32.
+    normalized_shape: int or tuple of x's trailing dims; None: ``x.shape[-1:]``.
+    eps: float >= 0.
+    residual_dtype: ``h``'s dtype: None (x's dtype) or float32.
+    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+
+  Returns:
+    ``(y, h)``: ``y`` with x's shape and dtype, ``h`` in ``residual_dtype``.
+
+  Raises:
+    ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
+  """
+  return _add_norm(x, residual, weight, bias, normalized_shape, eps, residual_dtype,
+                   implementation, centered=True)
+
+
+def add_rms_norm(x, residual, weight=None, *, normalized_shape=None, eps=1e-6, residual_dtype=None,
+                 implementation=None):
+  """Fused residual add + RMSNorm of a pre-norm block: ``h = x + residual``, ``y = rms_norm(h)``.
+{shared}
+  Args:
+    x: float32, float16 or bfloat16 array (a block's output).
+    residual: the residual stream, x's shape, in x's dtype or float32.
+    weight: optional (None: ones), shape ``normalized_shape``, x's dtype or float32.
+    normalized_shape: int or tuple of x's trailing dims; None: ``x.shape[-1:]``.
+    eps: float >= 0.
+    residual_dtype: ``h``'s dtype: None (x's dtype) or float32.
+    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+
+  Returns:
+    ``(y, h)``: ``y`` with x's shape and dtype, ``h`` in ``residual_dtype``.
+
+  Raises:
+    ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
+  """
+  return _add_norm(x, residual, weight, None, normalized_shape, eps, residual_dtype,
+                   implementation, centered=False)
+
+
+for _f in (add_layer_norm, add_rms_norm):
+  if _f.__doc__:  # None under python -OO
+    _f.__doc__ = _f.__doc__.format(shared=_SHARED_DOC)

@@ -1,0 +1,305 @@
+"""add_layer_norm / add_rms_norm (the residual form) against the float64 NumPy reference, once per implementation."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_normgrad as jn
+from cases import random, rotate
+import reference_np as ref
+from tolerances import assert_close
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+F16 = jnp.float16
+
+# (x shape, normalized_shape, params: "wb" weight and bias, "w", "" none,
+# x dtype, residual dtype (None: x's), residual_dtype (None: x's)).
+CASES = [
+    ((7, 1000), (1000,), "wb", F32, None, None),
+    ((3, 5, 42), (42,), "w", BF16, None, None),
+    ((3, 5, 42), (42,), "wb", BF16, F32, F32),
+    ((4, 6, 10), (6, 10), "", F16, None, F32),
+    ((9, 2), (2,), "wb", F16, F32, F32),
+    ((0, 64), (64,), "wb", F32, None, None),
+    ((2, 3000), (3000,), "w", BF16, None, None),  # more than one moments chunk
+]
+EPS = 1e-5
+
+
+def _inputs(rng, shape, norm_shape, params, dtype, res_dtype):
+  x = random(rng, shape, dtype, scale=2.0, offset=0.5)
+  r = random(rng, shape, res_dtype or dtype, scale=3.0, offset=-0.25)
+  w = random(rng, norm_shape, dtype, offset=1.0) if "w" in params else None
+  b = random(rng, norm_shape, dtype) if "b" in params else None
+  return x, r, w, b
+
+
+def _f64(a):
+  return None if a is None else np.asarray(jnp.asarray(a).astype(F32), np.float64)
+
+
+def _ref_forward(x, r, w, b, norm_ndim, centered, h_dtype, eps):
+  """y, h (rounded to h_dtype, float64) and the statistics of the exact sum."""
+  h64 = _f64(x) + _f64(r)
+  if centered:
+    y, mean, rstd = ref.ln_fwd(h64, norm_ndim, _f64(w), _f64(b), eps)
+  else:
+    y, rstd = ref.rms_fwd(h64, norm_ndim, _f64(w), eps)
+    mean = np.zeros_like(rstd)
+  h_stored = _f64(jnp.asarray(h64.astype(np.float32)).astype(h_dtype))
+  return y, h64, h_stored, mean, rstd
+
+
+def _call(centered, x, r, w, b, **kw):
+  if centered:
+    return jn.add_layer_norm(x, r, w, b, **kw)
+  return jn.add_rms_norm(x, r, w, **kw)
+
+
+class AddNormTests:
+  """The residual-form suite; subclasses set ``implementation``."""
+
+  implementation = None
+
+
+  def _run(self, fn, *args):
+    with warnings.catch_warnings():
+      # The Pallas lowering announces its unfused add once (FallbackWarning).
+      warnings.simplefilter("ignore", jn.FallbackWarning)
+      return fn(*args)
+
+  @pytest.mark.parametrize("centered", [True, False])
+  @pytest.mark.parametrize("case", range(len(CASES)))
+  def test_forward_and_gradients(self, rng, centered, case):
+    """y and h of the exact float32 sum; one gradient for x and residual, plus dh; parameter gradients."""
+    shape, norm_shape, params, dtype, res_dtype, h_dtype = CASES[case]
+    if not centered:
+      params = params.replace("b", "")
+    x, r, w, b = _inputs(rng, shape, norm_shape, params, dtype, res_dtype)
+    nd = len(norm_shape)
+    hd = h_dtype or dtype
+    eps = EPS if centered else 1e-6
+    impl = self.implementation
+
+    def f(x, r, w, b):
+      return _call(centered, x, r, w, b, normalized_shape=norm_shape, eps=eps,
+                   residual_dtype=h_dtype, implementation=impl)
+
+    (y, h), vjp = self._run(lambda: jax.vjp(jax.jit(f), x, r, w, b))
+    y_ref, h64, h_ref, mean, rstd = _ref_forward(x, r, w, b, nd, centered, hd, eps)
+    width = math.prod(norm_shape)
+    rows = math.prod(shape) // width
+    assert y.dtype == dtype and h.dtype == hd and h.shape == y.shape == shape
+    assert_close(y, y_ref, dtype, width, "y")
+    assert_close(h, h64, hd, 1, "h")
+    dy = random(rng, shape, dtype)
+    dh = random(rng, shape, hd, scale=0.5)
+    gx, gr, gw, gb = self._run(lambda: vjp((dy, dh)))
+    # The backward's xhat is the stored h's (see add_layer_norm's docstring).
+    dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, h_ref, nd, mean if centered else np.zeros_like(rstd),
+                                        rstd, _f64(w))
+    if not centered:  # RMSNorm: no mean(g) term
+      dx_ref, dw_ref = ref.rms_bwd(dy, h_ref, nd, rstd, _f64(w))
+    dx_ref = dx_ref + _f64(dh)
+    scale = ref.dx_scale(dy, rstd, _f64(w)) + float(np.max(np.abs(_f64(dh)), initial=0.0))
+    assert gx.dtype == dtype and gr.dtype == r.dtype
+    # The float32 gradient rounded once to h's dtype (x's or float32), then to x's and residual's.
+    assert_close(gx, dx_ref, dtype, width, "grad x", scale=scale)
+    wide, narrow = (gr, gx) if jnp.dtype(r.dtype).itemsize >= jnp.dtype(dtype).itemsize else (gx, gr)
+    np.testing.assert_array_equal(np.asarray(narrow.astype(F32)),
+                                  np.asarray(wide.astype(narrow.dtype).astype(F32)))
+    if w is not None:
+      assert gw.dtype == w.dtype
+      assert_close(gw, dw_ref, dtype, rows, "grad weight")
+    if b is not None:
+      assert gb.dtype == b.dtype
+      assert_close(gb, db_ref, dtype, rows, "grad bias")
+
+  def test_y_from_unrounded_sum(self):
+    """y normalizes the float32 sum, not h rounded to bfloat16.
+
+    Row [1, 1 + 2^-7, 1 + 3 * 2^-9]: the third sum rounds to 1 + 2^-7 in
+    bfloat16, which would change the LayerNorm output by O(1). (RMSNorm's
+    output moves by an ulp only; its kernels share the code path.)
+    """
+    x = jnp.asarray([[1.0, 1.0 + 2 ** -7, 1.0]], BF16)
+    r = jnp.asarray([[0.0, 0.0, 3 * 2 ** -9]], BF16)
+    y, h = self._run(lambda: jn.add_layer_norm(x, r, eps=0.0, implementation=self.implementation))
+    exact = _f64(x) + _f64(r)
+    fwd = lambda a: ref.ln_fwd(a, 1, eps=0.0)[0]
+    np.testing.assert_allclose(_f64(y), fwd(exact), rtol=2 ** -8, atol=1e-6)
+    assert _f64(h)[0, 2] == 1.0 + 2 ** -7
+    assert not np.allclose(fwd(_f64(h)), fwd(exact), atol=0.05)
+
+  def test_vmap_batched_residual_and_weights(self, rng):
+    """vmap over x, a batched residual and per-example weight and bias, forward and gradients."""
+    x = random(rng, (3, 5, 24), F32)
+    r = random(rng, (3, 5, 24), F32)
+    w = random(rng, (3, 24), F32, offset=1.0)
+    b = random(rng, (3, 24), F32)
+    dy = random(rng, (3, 5, 24), F32)
+    impl = self.implementation
+
+    def loss(x, r, w, b, dy):
+      y, h = jn.add_layer_norm(x, r, w, b, implementation=impl)
+      return jnp.sum(y * dy) + jnp.sum(jnp.sin(h))
+
+    grads = self._run(lambda: jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3))))(
+        x, r, w, b, dy))
+    unbatched_r = self._run(lambda: jax.vmap(jax.grad(loss, argnums=(0, 2)),
+                                             in_axes=(0, None, 0, 0, 0))(x, r[0], w, b, dy))
+    for i in range(3):
+      single = self._run(lambda: jax.grad(loss, argnums=(0, 1, 2, 3))(x[i], r[i], w[i], b[i], dy[i]))
+      for got, want in zip(grads, single):
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+      single = self._run(lambda: jax.grad(loss, argnums=(0, 2))(x[i], r[0], w[i], b[i], dy[i]))
+      for got, want in zip(unbatched_r, single):
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+
+  def test_second_order(self, rng):
+    """grad(grad) through the residual form equals the pure-JAX reference's."""
+    x = random(rng, (4, 16), F32)
+    r = random(rng, (4, 16), F32)
+    w = random(rng, (16,), F32, offset=1.0)
+
+    def outer(impl):
+      def inner(x, r, w):
+        y, h = jn.add_rms_norm(x, r, w, implementation=impl)
+        return jnp.sum(jnp.tanh(y)) + jnp.sum(h * h)
+      g = lambda x, r, w: jnp.sum(jax.grad(inner, argnums=(0, 2))(x, r, w)[0] ** 2)
+      return jax.grad(g, argnums=(0, 1, 2))(x, r, w)
+
+    for got, want in zip(self._run(lambda: outer(self.implementation)), outer("xla")):
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+class TestAddNormDefault(AddNormTests):
+  implementation = None
+
+  def test_one_kernel_call_each_way(self, rng):
+    """The CPU kernels run fused: one forward and one backward custom call, no separate add pass."""
+    x, r, w, b = _inputs(rng, (4, 32), (32,), "wb", F32, None)
+
+    def loss(x, r, w, b):
+      y, h = jn.add_layer_norm(x, r, w, b)
+      return jnp.sum(y) + jnp.sum(h)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, r, w, b).as_text()
+    assert text.count('jax_normgrad_layer_norm_fwd') == 1
+    assert text.count('jax_normgrad_layer_norm_bwd') == 1
+    # add_rms_norm: the same kernels (centered=False).
+    text = jax.jit(lambda x, r: jn.add_rms_norm(x, r)).lower(x, r).as_text()
+    assert 'jax_normgrad_layer_norm_fwd' in text and 'stablehlo.add' not in text
+
+  @pytest.mark.parametrize("dtype,res_dtype,h_dtype",
+                           [(F32, None, None), (BF16, None, None), (BF16, F32, F32)])
+  def test_long_rows_deterministic(self, rng, dtype, res_dtype, h_dtype):
+    """Few long rows (the column-chunked backward) against the reference; the same bits twice."""
+    x, r, w, b = _inputs(rng, (3, 70_000), (70_000,), "wb", dtype, res_dtype)
+    dy = random(rng, x.shape, dtype)
+    f = jax.jit(lambda x, r, w, b: jax.vjp(
+        lambda *a: jn.add_layer_norm(*a, residual_dtype=h_dtype), x, r, w, b)[1](
+            (dy, jnp.ones(x.shape, h_dtype or dtype))))
+    first, second = f(x, r, w, b), f(x, r, w, b)
+    for a, c in zip(first, second):
+      np.testing.assert_array_equal(np.asarray(a.astype(F32)), np.asarray(c.astype(F32)))
+    y, h = jn.add_layer_norm(x, r, w, b, residual_dtype=h_dtype)
+    y_ref, h64, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, h_dtype or dtype, EPS)
+    assert_close(y, y_ref, dtype, 70_000, "y")
+    dx_ref, dw_ref, _ = ref.ln_bwd(dy, h_ref, 1, mean, rstd, _f64(w))
+    assert_close(first[0], dx_ref + 1.0, dtype, 70_000, "grad x",
+                 scale=ref.dx_scale(dy, rstd, _f64(w)))
+    assert_close(first[2], dw_ref, dtype, 3, "grad weight")
+
+
+class TestAddNormXla(AddNormTests):
+  implementation = "xla"
+
+
+class TestAddNormPallas(AddNormTests):
+  implementation = "pallas"
+
+  def test_fallback_is_announced(self, rng):
+    """The Pallas path's unfused add says so (FallbackWarning)."""
+    from jax_normgrad import _implementation
+    _implementation._warn_once.cache_clear()
+    x, r, _, _ = _inputs(rng, (2, 8), (8,), "", F32, None)
+    with pytest.warns(jn.FallbackWarning, match="residual add"):
+      jax.jit(lambda x, r: jn.add_rms_norm(x, r, implementation="pallas")).lower(x, r)
+
+
+class TestAddNormValidation:
+  """Bad arguments fail at trace time, naming the argument."""
+
+  def test_errors(self, rng):
+    x = random(rng, (4, 8), BF16)
+    with pytest.raises(ValueError, match=r"residual: expected shape \(4, 8\)"):
+      jn.add_layer_norm(x, jnp.zeros((4, 9), BF16))
+    with pytest.raises(TypeError, match="residual: expected dtype bfloat16 .* or float32"):
+      jn.add_rms_norm(x, jnp.zeros((4, 8), F16))
+    with pytest.raises(TypeError, match="residual: expected an array, got None"):
+      jn.add_layer_norm(x, None)
+    with pytest.raises(TypeError, match="residual_dtype: expected None, bfloat16"):
+      jn.add_layer_norm(x, x, residual_dtype=F16)
+    with pytest.raises(TypeError, match="residual_dtype: expected"):
+      jn.add_rms_norm(x, x, residual_dtype="nope")
+    with pytest.raises(ValueError, match="weight: expected shape"):
+      jn.add_layer_norm(x, x, jnp.ones((9,), BF16))
+    with pytest.raises(ValueError, match="eps"):
+      jn.add_rms_norm(x, x, eps=-1.0)
+    with pytest.raises(ValueError, match="implementation"):
+      jn.add_rms_norm(x, x, implementation="cuda")
+
+
+class TestAddNormDropins:
+  """flax.linen and nnx AddLayerNorm / AddRMSNorm: the plain layer's parameters, the fused kernels."""
+
+  def test_linen(self, rng):
+    nn = pytest.importorskip("flax.linen")
+    import jax_normgrad.flax as jnf
+    x, r = random(rng, (4, 6, 32), F32), random(rng, (4, 6, 32), F32)
+    for cls, plain in ((jnf.AddLayerNorm, nn.LayerNorm), (jnf.AddRMSNorm, nn.RMSNorm)):
+      layer = cls()
+      params = layer.init(jax.random.key(0), x, r)
+      plain_params = plain().init(jax.random.key(0), x)
+      assert jax.tree.structure(params) == jax.tree.structure(plain_params)
+
+      def loss(p, x, r):
+        y, h = layer.apply(p, x, r)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(h ** 2)
+
+      ref_loss = lambda p, x, r: jnp.sum(jnp.sin(plain().apply(p, x + r))) + jnp.sum((x + r) ** 2)
+      got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, x, r)
+      want = jax.grad(ref_loss, argnums=(0, 1, 2))(params, x, r)
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+      text = jax.jit(jax.grad(loss)).lower(params, x, r).as_text()
+      assert text.count("jax_normgrad_layer_norm_fwd") == 1
+      # flax's float32 result of a 16-bit x: the add before the plain drop-in, announced.
+      with pytest.warns(jn.FallbackWarning, match="result dtype float32"):
+        y, h = layer.apply(params, x.astype(BF16), r.astype(BF16))
+      assert y.dtype == F32 and h.dtype == BF16
+
+  def test_nnx(self, rng):
+    nnx = pytest.importorskip("flax.nnx")
+    import jax_normgrad.nnx as jnn
+    x, r = random(rng, (4, 6, 32), F32), random(rng, (4, 6, 32), F32)
+    for cls, plain in ((jnn.AddLayerNorm, nnx.LayerNorm), (jnn.AddRMSNorm, nnx.RMSNorm)):
+      layer, ref_layer = cls(32, rngs=nnx.Rngs(0)), plain(32, rngs=nnx.Rngs(0))
+      y, h = layer(x, r)
+      np.testing.assert_allclose(y, ref_layer(x + r), rtol=1e-5, atol=1e-5)
+      np.testing.assert_array_equal(h, x + r)
+      got = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x, r)[0])))(layer)
+      want = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x + r))))(ref_layer)
+      for g, w in zip(jax.tree.leaves(nnx.state(got)), jax.tree.leaves(nnx.state(want))):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+      layer = cls(32, residual_dtype=F32, dtype=BF16, param_dtype=BF16, rngs=nnx.Rngs(0))
+      y, h = layer(x.astype(BF16), r.astype(BF16))
+      assert y.dtype == BF16 and h.dtype == F32
