@@ -29,7 +29,7 @@ def _xhat(x, mean, rstd):
 
 
 def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
-                   y_dtype, interpret):
+                   y_dtype, interpret, gpu_backend=common.TRITON):
   """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``, then xhat if asked.
 
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
@@ -40,7 +40,8 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
   weight, bias = map(reference.float32_or_none, common.unpack(params, has_weight, has_bias))
   seg = _rows(x, centered, param_groups)
   y, mean, rstd = common.forward(seg, x.reshape(seg.n, 1, seg.b), weight, bias, eps=eps,
-                                 interpret=interpret, y_dtype=y_dtype)
+                                 interpret=interpret, y_dtype=y_dtype, gpu_backend=gpu_backend,
+                                 op="layer_norm_fwd")
   mean = mean.reshape(seg.n) if centered else None
   rstd = rstd.reshape(seg.n)
   outs = [y.reshape(x.shape)] + ([mean, rstd] if centered else [rstd])
@@ -48,7 +49,7 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
 
 
 def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-                   write_xhat, interpret):
+                   write_xhat, interpret, gpu_backend=common.TRITON):
   """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
 
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row (no
@@ -73,7 +74,8 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   view = (seg.n, 1, seg.b)
   outs = common.backward(seg, kdy.reshape(view), kx.reshape(view),
                          None if mean is None else mean.reshape(seg.n, 1),
-                         kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret)
+                         kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret,
+                         gpu_backend=gpu_backend, op="layer_norm_bwd")
   dx = None if outs[0] is None else outs[0].reshape(x.shape)
   if dx is not None and normalized:
     dx = (dx.astype(F32) * rstd[:, None]).astype(x.dtype)
