@@ -134,15 +134,3 @@ def mosaic_gpu_interpret(interpret: bool):
   """The ``interpret=`` of ``plgpu.kernel``: GPU interpret mode on CPU, else False."""
   return _interpret_params_class()() if interpret else False
 
-
-def with_mosaic_gpu_interpret_tokens(ctx):
-  """A lowering context that carries HLO tokens for the GPU interpreter's callbacks.
-
-  GPU interpret mode simulates the kernel with ordered ``io_callback``s, an
-  effect that the primitives (whose abstract evaluation knows no platform)
-  do not declare; ``mlir.lower_fun`` then needs a token per such effect. The
-  effects are the interpreter's own (private in every jax so far).
-  """
-  from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
-  from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
-  return ctx.replace(tokens_in=mlir.TokenSet.create(list(params.get_interpret_effects())))

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.interpreters import mlir
 
 from jax_normgrad import _compat
@@ -167,7 +169,8 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
         backend = gpu_backend(impl, platform, prim.name)
         fn = functools.partial(available["pallas"], interpret=interpret, gpu_backend=backend)
         if interpret and backend.name == "mosaic_gpu":
-          ctx = _compat.with_mosaic_gpu_interpret_tokens(ctx)
+          fn = _in_own_computation(functools.partial(fn, **params))
+          params = {}
         if interpret:
           # Pallas' interpreter (every jax up to 0.11) evaluates a kernel's body on
           # operands that vary inside shard_map next to constants that do not,
@@ -179,6 +182,34 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
 
   for platform in PLATFORMS:
     mlir.register_lowering(prim, make_rule(platform), platform=platform)
+
+
+_INTERPRET_LOCK = threading.Lock()
+
+
+def _in_own_computation(fn):
+  """``fn`` run by a host callback as a jitted computation of its own, one at a time.
+
+  For the Mosaic GPU kernels in GPU interpret mode (CPU). The interpreter
+  simulates a kernel with ordered callbacks around one process-wide simulated
+  GPU, set up and torn down per kernel: two kernels must not overlap, which
+  JAX ensures through the ordered effect those callbacks carry. A primitive
+  declares no effects (its abstract evaluation knows no platform), so inside
+  the primitive's lowering nothing would order two kernels of one program;
+  run on its own, the kernel's computation declares the effect, and the lock
+  keeps kernels of concurrent computations apart.
+  """
+  jitted = jax.jit(fn)
+
+  def host(*arrays):
+    with _INTERPRET_LOCK:
+      return jax.tree.map(np.asarray, jitted(*arrays))
+
+  def run(*args):
+    shapes = jax.eval_shape(fn, *args)
+    return jax.pure_callback(host, shapes, *args)
+
+  return run
 
 
 def _auto_partitioned(ctx) -> bool:

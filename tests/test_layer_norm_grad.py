@@ -205,3 +205,7 @@ class TestLayerNormGradXla(LayerNormGradTests):
 
 class TestLayerNormGradPallas(LayerNormGradTests):
   implementation = "pallas"
+
+
+class TestLayerNormGradMosaicGpu(LayerNormGradTests):
+  implementation = "mosaic_gpu"

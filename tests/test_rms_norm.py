@@ -166,3 +166,7 @@ class TestRmsNormXla(RmsNormTests):
 
 class TestRmsNormPallas(RmsNormTests):
   implementation = "pallas"
+
+
+class TestRmsNormMosaicGpu(RmsNormTests):
+  implementation = "mosaic_gpu"
