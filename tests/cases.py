@@ -6,6 +6,7 @@ import itertools
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 MASKS = list(itertools.product([True, False], repeat=3))
@@ -48,3 +49,16 @@ def rotate(cases, *choices):
 
 def random(rng, shape, dtype, scale=1.0, offset=0.0):
   return jnp.asarray(rng.normal(offset, scale, size=shape).astype(np.float32)).astype(dtype)
+
+
+def narrow(request, reason: str, tests=(), **allowed):
+  """Skips the test of ``request`` if it is in ``tests`` or a parameter is not in ``allowed``.
+
+  For the suites whose cases are ``pytest.mark.parametrize``'d (not a
+  ``cases`` dict), to keep a slow interpreted implementation's run short.
+  """
+  params = getattr(request.node, "callspec", None)
+  params = params.params if params else {}
+  if request.node.originalname in tests or any(
+      name in params and params[name] not in values for name, values in allowed.items()):
+    pytest.skip(reason)
