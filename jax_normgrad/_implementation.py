@@ -56,9 +56,12 @@ class FallbackWarning(UserWarning):
 
 
 @functools.lru_cache(maxsize=None)
-def warn_once(message: str) -> None:
-  """A ``FallbackWarning``, once per message."""
+def _warn_once(message: str) -> None:
   warnings.warn(message, FallbackWarning, stacklevel=3)
+
+
+#: A ``FallbackWarning``, once per message (for the kernels' own fallbacks, ``pallas.common``).
+warn_once = _warn_once
 
 
 def resolve(implementation: str | None, platform: str, op: str, available: dict[str, Callable | None]) -> str:
@@ -74,7 +77,7 @@ def resolve(implementation: str | None, platform: str, op: str, available: dict[
   if implementation is None:
     if available.get(default) is not None:
       return default
-    warn_once(
+    _warn_once(
         f"jax_normgrad: no {default!r} kernel for {op} on {platform}; using the pure-JAX "
         f"reference implementation ('xla') instead. Pass implementation='xla' to silence this.")
     return "xla"
@@ -123,7 +126,7 @@ def gpu_backend(implementation: str, platform: str, op: str) -> pallas_common.Gp
   reason = ("Mosaic GPU does not run on ROCm" if platform == "rocm"
             else _compat.mosaic_gpu_api_missing())
   if reason:
-    warn_once(f"jax_normgrad: {op}: {GPU_BACKEND_ENV}=mosaic_gpu, but {reason}; the Triton "
+    _warn_once(f"jax_normgrad: {op}: {GPU_BACKEND_ENV}=mosaic_gpu, but {reason}; the Triton "
               f"kernels run instead.")
     return pallas_common.TRITON
   return pallas_common.GpuBackend("mosaic_gpu", forced=False)
@@ -157,7 +160,7 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
     def rule(ctx, *args, implementation, **params):
       impl = resolve(implementation, platform, prim.name, available)
       if platform == "tpu" and implementation is None and _auto_partitioned(ctx):
-        warn_once(
+        _warn_once(
             f"jax_normgrad: {prim.name} is in a multi-device jit on TPU, where XLA would have to "
             f"partition the Pallas (Mosaic) kernel, which it cannot (and JAX's custom_partitioning "
             f"rules do not run on TPU); the pure-JAX reference ('xla') runs instead. Write the "

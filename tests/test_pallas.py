@@ -315,6 +315,8 @@ def test_gpu_backend_environment_variable(monkeypatch):
   assert TRITON in _export_cuda(
       _grad_of(lambda x, w, b: jn.layer_norm(x, w, b, implementation="triton")), args)
   # What Mosaic GPU cannot run (GroupNorm) Triton runs, announced.
+  from jax_normgrad import _implementation
+  _implementation.warn_once.cache_clear()
   gn = _grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1))
   with pytest.warns(jn.FallbackWarning, match="Triton kernels run it instead"):
     text = jax.export.export(
