@@ -341,3 +341,30 @@ def test_forced_mosaic_gpu_raises_where_it_cannot_run():
   long = lambda x: jn.layer_norm(x, implementation="mosaic_gpu")
   with pytest.raises(ValueError, match="do not fit"):
     jax.export.export(jax.jit(long), platforms=["cuda"])(_sds((2, 100_000), F32))
+
+
+@pytest.mark.parametrize("smem_bytes,backward", [(6000, False), (10300, True)])
+def test_mosaic_gpu_single_stage_and_parameters_from_gmem(rng, smem_bytes, backward):
+  # A small SMEM budget: one buffer per streamed row and the parameters read from
+  # GMEM chunk by chunk (forward at 6000 bytes, backward at 10300; 300 columns padded to 512).
+  m, h = 11, 300
+  x, dy = random(rng, (m, h), F32, scale=2.0, offset=0.5), random(rng, (m, h), F32)
+  w, b = random(rng, (1, h), F32, offset=1.0), random(rng, (1, h), F32)
+  kw = dict(centered=True, param_groups=1)
+  with config.override(mosaic_gpu_smem_bytes=smem_bytes):
+    plan = config.mosaic_gpu_plan(h, 4, backward=backward, params=1 if backward else 2)
+    assert (plan.stages, plan.params_in_smem) == (1, False)
+    y, *stats = jax.jit(lambda x, w, b: layer_norm_fwd_p.bind(
+        x, w, b, eps=1e-5, has_weight=True, has_bias=True, write_xhat=False, y_dtype=None,
+        implementation="mosaic_gpu", **kw))(x, w, b)
+    if backward:
+      outs = jax.jit(lambda *a: layer_norm_bwd_p.bind(
+          *a, has_weight=True, output_mask=(True, True, True), normalized=False,
+          write_xhat=False, implementation="mosaic_gpu", **kw))(dy, x, *stats, w)
+  y_ref, *stats_ref = reference.layer_norm_fwd(x, w, b, eps=1e-5, **kw)
+  assert_close(y, y_ref, F32, h, "y")
+  if backward:
+    refs = reference.layer_norm_bwd(dy, x, *stats, w, has_weight=True,
+                                    output_mask=(True, True, True), **kw)
+    for name, out, expected in zip(("dx", "dweight", "dbias"), outs, refs):
+      assert_close(out, expected, F32, h if name == "dx" else m, name)

@@ -209,12 +209,15 @@ class MosaicGpuPlan:
       a TMA copy must be.
     chunks: SMEM rows per data row; ``width * chunks`` is the row zero-padded.
     stages: SMEM buffers per streamed operand (2: double-buffered).
+    params_in_smem: the parameter rows are staged in SMEM once per CTA (else
+      read from GMEM, through L2, chunk by chunk).
     smem: SMEM bytes of one CTA.
   """
 
   width: int
   chunks: int
   stages: int
+  params_in_smem: bool
   smem: int
 
   @property
@@ -228,7 +231,8 @@ def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, o
 
   A CTA holds, per stage, the streamed inputs (x; x and dy backward) and the
   output row (y; dx when asked for), plus, once, the float32 parameter rows
-  and (backward) the float32 partial-sum rows. Two stages if they fit, else one.
+  and (backward) the float32 partial-sum rows. The first that fits of: two
+  stages, one, then both again with the parameters read from GMEM.
   """
   width = 256 if h > 128 else 128
   chunks = cdiv(max(h, 1), width)
@@ -236,11 +240,13 @@ def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, o
     return None
   row = width * chunks
   per_stage = row * itemsize * ((2 if backward else 1) + outputs)
-  fixed = row * 4 * (params + (partials if backward else 0))
-  for stages in (2, 1):
-    smem = stages * per_stage + fixed
-    if smem <= current().mosaic_gpu_smem_bytes:
-      return MosaicGpuPlan(width=width, chunks=chunks, stages=stages, smem=smem)
+  for params_in_smem in (True, False):
+    fixed = row * 4 * (params * params_in_smem + (partials if backward else 0))
+    for stages in (2, 1):
+      smem = stages * per_stage + fixed
+      if smem <= current().mosaic_gpu_smem_bytes:
+        return MosaicGpuPlan(width=width, chunks=chunks, stages=stages,
+                             params_in_smem=params_in_smem, smem=smem)
   return None
 
 

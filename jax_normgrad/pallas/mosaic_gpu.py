@@ -102,6 +102,10 @@ class _Launch:
     """The inverse of ``view`` for a ``(rows, chunks, width)`` result."""
     return a.reshape(a.shape[0], self.plan.padded)[:, :self.seg.b]
 
+  def staged(self, n_params) -> bool:
+    """Whether the kernel has SMEM buffers (and a barrier) for its ``n_params`` parameter rows."""
+    return bool(n_params) and self.plan.params_in_smem
+
   def smem(self, count, dtype):
     """``count`` SMEM buffers of one row each (leading axis), ``mosaic_gpu`` types."""
     plgpu = _compat.plgpu()
@@ -148,14 +152,31 @@ def _barrier(arrivals, count=1):
   return plgpu.Barrier(num_arrivals=arrivals, num_barriers=count)
 
 
-def _stage_params(srcs, buf, barrier, w):
-  """TMA-loads this CTA's parameter rows (None: absent) into ``buf[j]`` once and waits for them."""
+def _params(launch, srcs, buf, barrier, w):
+  """``read(k)``: chunk k of this CTA's parameter rows (None where absent).
+
+  With ``plan.params_in_smem`` the rows are TMA-loaded into ``buf[j]`` once per
+  CTA (waited for here); else each chunk is loaded from GMEM as it is needed
+  (L2-resident: every CTA reads the same rows), which leaves the SMEM to the
+  rows of long inputs.
+  """
   plgpu = _compat.plgpu()
   present = [s for s in srcs if s is not None]
+  if not launch.plan.params_in_smem:
+    return lambda k: [None if s is None else s[w, k] for s in srcs]
   for j, src in enumerate(present):
     plgpu.copy_gmem_to_smem(src.at[w], buf.at[j], barrier.at[0])
   if present:
     plgpu.barrier_wait(barrier.at[0])
+
+  def read(k):
+    out, j = [], 0
+    for src in srcs:
+      out.append(None if src is None else buf[j, k])
+      j += src is not None
+    return out
+
+  return read
 
 
 def _stream(launch, srcs, bufs, barrier, start, end, body):
@@ -213,13 +234,12 @@ def _wait_output_slot(launch):
 def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: bool):
   """Per row: statistics from the row in SMEM (two passes, exact), then ``y`` to SMEM and HBM."""
   seg = launch.seg
-  n_params = has_weight + has_bias
+  staged = launch.staged(has_weight + has_bias)
   (x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, xs, ys, ps, bar, pbar) = common.unpack(
-      refs, True, has_weight, has_bias, True, seg.centered, True, True, True, n_params > 0, True,
-      n_params > 0)
+      refs, True, has_weight, has_bias, True, seg.centered, True, True, True, staged, True,
+      staged)
   w, _, start, end = launch.rows()
-  if n_params:
-    _stage_params((w_ref, b_ref), ps, pbar, w)
+  params = _params(launch, (w_ref, b_ref), ps, pbar, w)
 
   def row(i, slot):
     xrow = xs.at[slot]
@@ -240,13 +260,9 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
     _wait_output_slot(launch)
 
     def write(k, carry):
-      params, j = [], 0
-      for present in (has_weight, has_bias):
-        params.append(ps[j, k] if present else None)
-        j += present
       x = load(k)
       ys[slot, k] = common.normalize(x - mean if seg.centered else x, rstd,
-                                     *params).astype(ys.dtype)
+                                     *params(k)).astype(ys.dtype)
       return carry
 
     launch.loop(write, 0)
@@ -268,10 +284,10 @@ def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
   rows = x.reshape(seg.n, seg.b)
   stats = jax.ShapeDtypeStruct((seg.n, 1), F32)
   scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, x.dtype)]
-  if n_params:
+  if launch.staged(n_params):
     scratch.append(launch.smem(n_params, F32))
   scratch.append(_barrier(1, plan.stages))
-  if n_params:
+  if launch.staged(n_params):
     scratch.append(_barrier(n_params))
   kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps,
                              has_weight=weight is not None, has_bias=bias is not None)
@@ -297,11 +313,10 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   n_acc = mask[1] + mask[2]
   (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, dx_ref, dw_ref, db_ref,
    xs, dys, dxs, gs, accs, bar, pbar) = common.unpack(
-       refs, True, True, seg.centered, True, has_gamma, *mask, True, True, mask[0], has_gamma,
-       n_acc > 0, True, has_gamma)
+       refs, True, True, seg.centered, True, has_gamma, *mask, True, True, mask[0],
+       launch.staged(has_gamma), n_acc > 0, True, launch.staged(has_gamma))
   w, p, start, end = launch.rows()
-  if has_gamma:
-    _stage_params((gamma_ref,), gs, pbar, w)
+  params = _params(launch, (gamma_ref,), gs, pbar, w)
   width = launch.plan.width
   zeros = jnp.zeros((width,), F32)
   if n_acc:
@@ -316,7 +331,7 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
     rstd = rstd_ref[i, 0]
 
     def tile(k):
-      gamma = gs[0, k] if has_gamma else None
+      gamma, = params(k)
       dy = dys[slot, k].astype(F32)
       xhat, g = common.xhat_and_g(xs[slot, k].astype(F32), dy, mean, rstd, gamma)
       return dy, xhat, g  # padded columns: dy = g = 0
@@ -363,12 +378,12 @@ def backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret)
   scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, dy.dtype)]
   if mask[0]:
     scratch.append(launch.smem(plan.stages, x.dtype))
-  if has_gamma:
+  if launch.staged(has_gamma):
     scratch.append(launch.smem(1, F32))
   if n_acc:
     scratch.append(launch.smem(n_acc, F32))
   scratch.append(_barrier(2, plan.stages))
-  if has_gamma:
+  if launch.staged(has_gamma):
     scratch.append(_barrier(1))
   partial = jax.ShapeDtypeStruct((seg.param_groups, launch.ctas, plan.chunks, plan.width), F32)
   out_shape = ([jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), x.dtype)]
