@@ -26,9 +26,9 @@ Design (``config.mosaic_gpu_plan`` has the numbers):
 
 What is not here yet (the Triton kernels have it):
 
-* Rows longer than fit SMEM (``mosaic_gpu_plan`` returns None; with weight
-  and bias about 12K elements forward and 8K backward in float32, 17K and
-  11K in 16-bit types) are not chunked (a chunked design would stream the
+* Rows longer than fit SMEM (``mosaic_gpu_plan`` returns None beyond about
+  25K elements forward and 10K backward in float32, 51K and 14K in 16-bit
+  types) are not chunked (a chunked design would stream the
   row twice, statistics then output, as the Triton kernels do, and keep the
   parameter-gradient partials in registers per column chunk); GroupNorm has no
   Mosaic GPU kernel. Both are refused when Mosaic GPU is forced and announced
