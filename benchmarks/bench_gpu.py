@@ -7,6 +7,7 @@ package (on the project's GPU machine: ``pip install --no-build-isolation
     python benchmarks/bench_gpu.py                        # every row, JSON to benchmarks/recorded/
     python benchmarks/bench_gpu.py --out gpu.json --rounds 5 --iters 50
     python benchmarks/bench_gpu.py --only ln              # the rows whose name has "ln"
+    python benchmarks/bench_gpu.py --gpu-backend mosaic_gpu   # the Mosaic GPU kernels (sm_90+)
 
 For each row (LayerNorm and RMSNorm 32768x1024, 16384x4096, 4096x16384 in
 bfloat16 and float32; GroupNorm 8x256x64x64 with 32 groups, NCHW and NHWC) it
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import sys
 import time
@@ -44,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_normgrad import _bench
+from jax_normgrad import _bench, _implementation
 
 # (kind, shape, dtype); GroupNorm shapes are (n, c, h, w, groups).
 ROWS = [
@@ -136,7 +138,12 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU smoke test)")
   parser.add_argument("--only", default="", help="run the rows whose name contains this text")
+  parser.add_argument("--gpu-backend", choices=_implementation.GPU_BACKENDS, default="triton",
+                      help="the Pallas GPU backend of the package's kernels (sets "
+                      f"{_implementation.GPU_BACKEND_ENV}; what Mosaic GPU cannot run, such as "
+                      "GroupNorm, Triton runs with a FallbackWarning)")
   args = parser.parse_args(argv)
+  os.environ[_implementation.GPU_BACKEND_ENV] = args.gpu_backend
   if jax.default_backend() != "gpu" and not args.smoke:
     print(f"note: no GPU ({jax.default_backend()}); these are not GPU figures", file=sys.stderr)
   rows = []
@@ -153,9 +160,11 @@ def main(argv=None) -> int:
   print_table(rows)
   info = machine()
   result = {"date": datetime.date.today().isoformat(), "machine": info,
-            "versions": _bench.versions(), "command": " ".join(sys.argv), "rows": rows}
+            "versions": _bench.versions(), "command": " ".join(sys.argv),
+            "gpu_backend": args.gpu_backend, "rows": rows}
   out = args.out or (pathlib.Path(__file__).parent / "recorded" /
-                     f"gpu_{result['date']}_{info['device_kind'].replace(' ', '_')}.json")
+                     f"gpu_{result['date']}_{info['device_kind'].replace(' ', '_')}"
+                     f"{'' if args.gpu_backend == 'triton' else '_' + args.gpu_backend}.json")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1))
   print(f"wrote {out}", file=sys.stderr)

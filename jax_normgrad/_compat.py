@@ -13,6 +13,7 @@ Library code asks here instead of branching on ``jax.__version__`` itself.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
@@ -69,3 +70,77 @@ def pvary(x, axes: tuple):
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, axes, to="varying")
   return jax.lax.pvary(x, axes)
+
+
+# ----------------------------------------------------------------------------
+# Pallas Mosaic GPU (``jax_normgrad.pallas.mosaic_gpu``).
+#
+# The kernels use ``plgpu.kernel(out_type=, scratch_types=, grid=, grid_names=,
+# kernel_name=, interpret=)``, ``SMEM``, ``Barrier(num_arrivals=, num_barriers=)``,
+# ``copy_gmem_to_smem``, ``copy_smem_to_gmem``, ``commit_smem``,
+# ``wait_smem_to_gmem``, ``barrier_wait``, ``broadcasted_iota`` and
+# ``Layout.WG_STRIDED``: all in jax 0.10.2, 0.11.2 and 0.12.0 (``Barrier``'s
+# ``num_barriers`` default changed in 0.11, so it is always passed). Older jax
+# lacks parts of it: there the backend is unavailable and forcing it raises.
+#
+# GPU interpret mode (Mosaic GPU kernels simulated on CPU) takes an
+# ``InterpretGPUParams`` as ``interpret=``: public as
+# ``plgpu.InterpretGPUParams`` from jax 0.11; jax 0.10.2 has the same class
+# only at its private path, read here and nowhere else.
+
+_MOSAIC_GPU_NAMES = ("kernel", "SMEM", "Barrier", "copy_gmem_to_smem", "copy_smem_to_gmem",
+                     "commit_smem", "wait_smem_to_gmem", "barrier_wait", "broadcasted_iota",
+                     "Layout")
+
+
+def _load_plgpu():
+  try:
+    from jax.experimental.pallas import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  if not all(hasattr(mosaic_gpu, n) for n in _MOSAIC_GPU_NAMES):
+    return None
+  if "kernel_name" not in inspect.signature(mosaic_gpu.Mesh).parameters:
+    return None
+  return mosaic_gpu
+
+
+def plgpu():
+  """``jax.experimental.pallas.mosaic_gpu``; raises if this jax lacks what the kernels use."""
+  missing = mosaic_gpu_api_missing()
+  if missing:
+    raise NotImplementedError(missing)
+  return _plgpu_cached()
+
+
+@functools.lru_cache(maxsize=None)
+def _plgpu_cached():
+  """Imported on first use: importing Pallas costs ``import jax_normgrad`` about 0.3 s."""
+  return _load_plgpu()
+
+
+def mosaic_gpu_api_missing() -> str | None:
+  """Why the Mosaic GPU backend is unavailable with this jax (None when it is available)."""
+  if _plgpu_cached() is None or _interpret_params_class() is None:
+    return (f"jax {jax.__version__} lacks the Pallas Mosaic GPU API the kernels use "
+            f"(jax.experimental.pallas.mosaic_gpu with {', '.join(_MOSAIC_GPU_NAMES)}, "
+            f"Mesh(kernel_name=), InterpretGPUParams)")
+  return None
+
+
+def _interpret_params_class():
+  module = _plgpu_cached()
+  cls = getattr(module, "InterpretGPUParams", None)
+  if cls is None:
+    try:  # jax 0.10: the same class, not yet exported
+      from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      return None
+    cls = params.InterpretGPUParams
+  return cls
+
+
+def mosaic_gpu_interpret(interpret: bool):
+  """The ``interpret=`` of ``plgpu.kernel``: GPU interpret mode on CPU, else False."""
+  return _interpret_params_class()() if interpret else False
+

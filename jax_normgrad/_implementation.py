@@ -1,15 +1,26 @@
 """Which implementation lowers a primitive on which platform, and the plumbing to register it.
 
-Every primitive carries an ``implementation`` parameter (None, "xla", "ffi" or
-"pallas"). The choice is made at lowering time, when the platform is known:
+Every primitive carries an ``implementation`` parameter (None, "xla", "ffi",
+"pallas", "triton" or "mosaic_gpu"). The choice is made at lowering time, when
+the platform is known:
 
 ===========  ======================  ==============================================
 platform     implementation=None     also available
 ===========  ======================  ==============================================
-cpu          "ffi" (C++ custom call)  "xla"; "pallas" in interpret mode (tests)
-cuda / rocm  "pallas" when built      "xla"
-tpu          "pallas" when built      "xla"
+cpu          "ffi" (C++ custom call)  "xla"; "pallas", "triton", "mosaic_gpu"
+                                      interpreted (tests)
+cuda         "pallas" (Triton)        "xla", "triton", "mosaic_gpu" (sm_90+)
+rocm         "pallas" (Triton)        "xla", "triton"
+tpu          "pallas" (Mosaic TPU)    "xla"
 ===========  ======================  ==============================================
+
+"pallas" is the platform's default Pallas backend. On GPUs that is Triton
+unless the environment variable ``JAX_NORMGRAD_GPU_BACKEND`` says
+``mosaic_gpu`` (read at each lowering): then the Mosaic GPU kernels run on
+CUDA where they can, and Triton runs, with a warning, what they cannot (ROCm,
+GroupNorm, rows too long for them). "triton" and "mosaic_gpu" force a
+backend: one that cannot run the problem raises. Triton stays the default
+until the Mosaic GPU kernels have passed their tests on an H100.
 
 Where the default kernel does not exist yet, the pure-JAX reference ("xla")
 runs instead and a one-time warning says so: no fallback is silent. An
@@ -19,15 +30,25 @@ implementation forced by the user that cannot run on the platform raises.
 from __future__ import annotations
 
 import functools
+import os
+import threading
 import warnings
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.interpreters import mlir
 
 from jax_normgrad import _compat
+from jax_normgrad.pallas import common as pallas_common
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+#: The Pallas GPU backends ``implementation`` may name.
+GPU_BACKENDS = ("triton", "mosaic_gpu")
+
+#: The environment variable choosing the GPU backend of "pallas" (and of None).
+GPU_BACKEND_ENV = "JAX_NORMGRAD_GPU_BACKEND"
 
 
 class FallbackWarning(UserWarning):
@@ -37,6 +58,10 @@ class FallbackWarning(UserWarning):
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
   warnings.warn(message, FallbackWarning, stacklevel=3)
+
+
+#: A ``FallbackWarning``, once per message (for the kernels' own fallbacks, ``pallas.common``).
+warn_once = _warn_once
 
 
 def resolve(implementation: str | None, platform: str, op: str, available: dict[str, Callable | None]) -> str:
@@ -60,6 +85,17 @@ def resolve(implementation: str | None, platform: str, op: str, available: dict[
     raise ValueError(
         f"{op}: implementation='ffi' is the CPU custom call and cannot run on {platform}; "
         f"use implementation=None, 'pallas' or 'xla'")
+  if implementation in GPU_BACKENDS:
+    if platform == "tpu" or (platform == "rocm" and implementation == "mosaic_gpu"):
+      raise ValueError(
+          f"{op}: implementation={implementation!r} is a Pallas backend for "
+          f"{'CUDA' if implementation == 'mosaic_gpu' else 'CUDA and ROCm'} GPUs and cannot run "
+          f"on {platform}; use implementation=None, 'pallas' or 'xla'")
+    if implementation == "mosaic_gpu" and (missing := _compat.mosaic_gpu_api_missing()):
+      raise ValueError(f"{op}: implementation='mosaic_gpu' is unavailable: {missing}")
+    if available.get("pallas") is None:
+      raise ValueError(f"{op}: implementation={implementation!r} is not available on {platform}")
+    return implementation
   if available.get(implementation) is None:
     raise ValueError(f"{op}: implementation={implementation!r} is not available on {platform}")
   return implementation
@@ -67,6 +103,33 @@ def resolve(implementation: str | None, platform: str, op: str, available: dict[
 
 #: primitive name -> platform -> {implementation: lowering function or None}.
 _REGISTRY: dict[str, dict[str, dict[str, Callable | None]]] = {}
+
+
+def gpu_backend(implementation: str, platform: str, op: str) -> pallas_common.GpuBackend:
+  """The Pallas GPU backend of a resolved Pallas ``implementation`` ("pallas", "triton", "mosaic_gpu").
+
+  A backend named by ``implementation`` is forced. "pallas" on CUDA takes
+  ``JAX_NORMGRAD_GPU_BACKEND`` (default "triton") as a preference; on ROCm and
+  with a jax lacking the Mosaic GPU API a preference for it is announced and
+  Triton runs. On CPU and TPU the variable does not apply.
+  """
+  if implementation in GPU_BACKENDS:
+    return pallas_common.GpuBackend(implementation, forced=True)
+  if platform not in ("cuda", "rocm"):
+    return pallas_common.TRITON
+  preferred = os.environ.get(GPU_BACKEND_ENV, "") or "triton"
+  if preferred not in GPU_BACKENDS:
+    raise ValueError(f"{GPU_BACKEND_ENV}: expected one of {GPU_BACKENDS} (or unset), "
+                     f"got {preferred!r}")
+  if preferred == "triton":
+    return pallas_common.TRITON
+  reason = ("Mosaic GPU does not run on ROCm" if platform == "rocm"
+            else _compat.mosaic_gpu_api_missing())
+  if reason:
+    _warn_once(f"jax_normgrad: {op}: {GPU_BACKEND_ENV}=mosaic_gpu, but {reason}; the Triton "
+              f"kernels run instead.")
+    return pallas_common.TRITON
+  return pallas_common.GpuBackend("mosaic_gpu", forced=False)
 
 
 def default_for(prim_name: str, platform: str) -> str:
@@ -87,7 +150,8 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
   Each implementation is a function of the primitive's array operands and its
   parameters (minus ``implementation``) written with jnp / ``jax.ffi.ffi_call``
   / ``pallas_call``; it is lowered with ``mlir.lower_fun``. ``pallas`` also
-  receives ``interpret=True`` on CPU.
+  receives ``interpret=True`` on CPU and the Pallas GPU backend
+  (``gpu_backend``, a ``pallas.common.GpuBackend``).
   """
   def make_rule(platform):
     available = {"xla": xla, "ffi": ffi if platform == "cpu" else None, "pallas": pallas}
@@ -102,10 +166,14 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
             f"rules do not run on TPU); the pure-JAX reference ('xla') runs instead. Write the "
             f"step with jax.shard_map to run the kernels on each device's local shapes.")
         impl = "xla"
-      fn = available[impl]
-      if impl == "pallas":
+      fn = available.get(impl)
+      if impl in GPU_BACKENDS or impl == "pallas":
         interpret = platform == "cpu"
-        fn = functools.partial(fn, interpret=interpret)
+        backend = gpu_backend(impl, platform, prim.name)
+        fn = functools.partial(available["pallas"], interpret=interpret, gpu_backend=backend)
+        if interpret and backend.name == "mosaic_gpu":
+          fn = _in_own_computation(functools.partial(fn, **params))
+          params = {}
         if interpret:
           # Pallas' interpreter (every jax up to 0.11) evaluates a kernel's body on
           # operands that vary inside shard_map next to constants that do not,
@@ -117,6 +185,34 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
 
   for platform in PLATFORMS:
     mlir.register_lowering(prim, make_rule(platform), platform=platform)
+
+
+_INTERPRET_LOCK = threading.Lock()
+
+
+def _in_own_computation(fn):
+  """``fn`` run by a host callback as a jitted computation of its own, one at a time.
+
+  For the Mosaic GPU kernels in GPU interpret mode (CPU). The interpreter
+  simulates a kernel with ordered callbacks around one process-wide simulated
+  GPU, set up and torn down per kernel: two kernels must not overlap, which
+  JAX ensures through the ordered effect those callbacks carry. A primitive
+  declares no effects (its abstract evaluation knows no platform), so inside
+  the primitive's lowering nothing would order two kernels of one program;
+  run on its own, the kernel's computation declares the effect, and the lock
+  keeps kernels of concurrent computations apart.
+  """
+  jitted = jax.jit(fn)
+
+  def host(*arrays):
+    with _INTERPRET_LOCK:
+      return jax.tree.map(np.asarray, jitted(*arrays))
+
+  def run(*args):
+    shapes = jax.eval_shape(fn, *args)
+    return jax.pure_callback(host, shapes, *args)
+
+  return run
 
 
 def _auto_partitioned(ctx) -> bool:

@@ -89,3 +89,16 @@ def export_for(platform, f, args, *, mesh=None, **kwargs):
           for a in args]
   with jax.sharding.use_abstract_mesh(mesh):
     return exported(*args)
+
+
+def narrow(request, reason: str, tests=(), **allowed):
+  """Skips the test of ``request`` if it is in ``tests`` or a parameter is not in ``allowed``.
+
+  For the suites whose cases are ``pytest.mark.parametrize``'d (not a
+  ``cases`` dict), to keep a slow interpreted implementation's run short.
+  """
+  params = getattr(request.node, "callspec", None)
+  params = params.params if params else {}
+  if request.node.originalname in tests or any(
+      name in params and params[name] not in values for name, values in allowed.items()):
+    pytest.skip(reason)

@@ -342,3 +342,17 @@ class TestLayerNormPallas(LayerNormOpTests):
   }
   long_row = ((2, 70_000), (70_000,))
   deterministic_shape = (515, 257)
+
+
+class TestLayerNormMosaicGpu(LayerNormOpTests):
+  """The Mosaic GPU kernels in Pallas' GPU interpret mode on CPU (threads, SMEM, TMA and
+  barriers simulated).
+
+  Every case once, the dtype and the presence of weight rotating; rows up to
+  the longest these kernels hold in SMEM (they do not chunk rows yet).
+  """
+
+  implementation = "mosaic_gpu"
+  cases = {**TestLayerNormPallas.cases, "half_dtype": [jnp.bfloat16]}
+  long_row = ((2, 4_100), (4_100,))
+  deterministic_shape = (37, 257)  # 13 rows per CTA, padded to 512 columns

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_normgrad as jn
-from cases import DTYPES, random
+from cases import DTYPES, narrow, random
 import reference_np as ref
 from tolerances import assert_close
 
@@ -205,3 +205,15 @@ class TestLayerNormGradXla(LayerNormGradTests):
 
 class TestLayerNormGradPallas(LayerNormGradTests):
   implementation = "pallas"
+
+
+class TestLayerNormGradMosaicGpu(LayerNormGradTests):
+  """The Mosaic GPU kernels in GPU interpret mode (CPU): float32 cases only, and vmap left
+  to the other suites, to keep the run short."""
+
+  implementation = "mosaic_gpu"
+
+  @pytest.fixture(autouse=True)
+  def _narrow(self, request):
+    narrow(request, "interpreted Mosaic GPU: float32 only, no vmap", tests=("test_jit_and_vmap",),
+           dtype=[jnp.float32])

@@ -272,3 +272,98 @@ def test_vmap_with_batched_weight_matches_xla(rng):
     for got, want in zip(grads["pallas"], grads["xla"]):
       assert got.shape == want.shape
       assert_close(got, want, F32, reduced)
+
+
+# ----------------------------------------------------------------------------
+# The GPU backend choice: Triton by default, Mosaic GPU when asked for.
+
+MOSAIC_GPU = "mosaic_gpu_v2"
+
+
+def _export_cuda(f, args):
+  return _export_text(f, args, "cuda")
+
+
+def _assert_mosaic_gpu(text):
+  assert MOSAIC_GPU in text and TRITON not in text
+  for k in ("fwd", "bwd"):
+    assert f"jax_normgrad_norm_{k}" in text, k
+
+
+@pytest.mark.parametrize("dtype,hidden", [(jnp.float32, 1000), (jnp.bfloat16, 4096),
+                                          (jnp.float32, 768)])
+def test_layer_norm_grad_lowers_to_mosaic_gpu(dtype, hidden):
+  # Realistic rows: 768 and 4096 a whole number of 256-wide chunks, 1000 padded.
+  ln = lambda x, w, b: jn.layer_norm(x, w, b, implementation="mosaic_gpu")
+  _assert_mosaic_gpu(_export_cuda(_grad_of(ln), (_sds((4, 512, hidden), dtype),
+                                                 _sds((hidden,), dtype), _sds((hidden,), dtype))))
+
+
+def test_rms_norm_and_vmap_lower_to_mosaic_gpu():
+  rms = jax.vmap(_grad_of(lambda x, w, b: jn.rms_norm(x, w, implementation="mosaic_gpu") + b))
+  _assert_mosaic_gpu(_export_cuda(rms, (_sds((3, 64, 2048), jnp.bfloat16),
+                                        _sds((3, 2048), F32), _sds((3, 2048), F32))))
+
+
+def test_gpu_backend_environment_variable(monkeypatch):
+  args = (_sds((64, 1024), F32), _sds((1024,), F32), _sds((1024,), F32))
+  monkeypatch.delenv("JAX_NORMGRAD_GPU_BACKEND", raising=False)
+  assert TRITON in _export_cuda(_grad_of(jn.layer_norm), args)  # the default
+  monkeypatch.setenv("JAX_NORMGRAD_GPU_BACKEND", "mosaic_gpu")
+  _assert_mosaic_gpu(_export_cuda(_grad_of(jn.layer_norm), args))
+  assert TRITON in _export_cuda(
+      _grad_of(lambda x, w, b: jn.layer_norm(x, w, b, implementation="triton")), args)
+  # What Mosaic GPU cannot run (GroupNorm) Triton runs, announced.
+  from jax_normgrad import _implementation
+  _implementation.warn_once.cache_clear()
+  gn = _grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1))
+  with pytest.warns(jn.FallbackWarning, match="Triton kernels run it instead"):
+    text = jax.export.export(
+        jax.jit(gn), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+            _sds((2, 8, 8, 16), F32), _sds((16,), F32), _sds((16,), F32)).mlir_module()
+  assert TRITON in text and MOSAIC_GPU not in text
+  monkeypatch.setenv("JAX_NORMGRAD_GPU_BACKEND", "cuda")
+  with pytest.raises(ValueError, match="JAX_NORMGRAD_GPU_BACKEND"):
+    _export_cuda(_grad_of(jn.layer_norm), args)
+
+
+def test_forced_mosaic_gpu_raises_where_it_cannot_run():
+  x, w = _sds((8, 64), F32), _sds((64,), F32)
+  ln = lambda x, w: jn.layer_norm(x, w, implementation="mosaic_gpu")
+  for platform in ("rocm", "tpu"):
+    with pytest.raises(ValueError, match="cannot run on " + platform):
+      jax.export.export(jax.jit(ln), platforms=[platform])(x, w)
+  gn = lambda x, w: jn.group_norm(x, 4, w, channel_axis=-1, implementation="mosaic_gpu")
+  with pytest.raises(ValueError, match="GroupNorm has no Mosaic GPU kernel"):
+    jax.export.export(jax.jit(gn), platforms=["cuda"])(_sds((2, 8, 16), F32), _sds((16,), F32))
+  long = lambda x: jn.layer_norm(x, implementation="mosaic_gpu")
+  with pytest.raises(ValueError, match="do not fit"):
+    jax.export.export(jax.jit(long), platforms=["cuda"])(_sds((2, 100_000), F32))
+
+
+@pytest.mark.parametrize("smem_bytes,backward", [(6000, False), (10300, True)])
+def test_mosaic_gpu_single_stage_and_parameters_from_gmem(rng, smem_bytes, backward):
+  # A small SMEM budget: one buffer per streamed row and the parameters read from
+  # GMEM chunk by chunk (forward at 6000 bytes, backward at 10300; 300 columns padded to 512).
+  m, h = 11, 300
+  x, dy = random(rng, (m, h), F32, scale=2.0, offset=0.5), random(rng, (m, h), F32)
+  w, b = random(rng, (1, h), F32, offset=1.0), random(rng, (1, h), F32)
+  kw = dict(centered=True, param_groups=1)
+  with config.override(mosaic_gpu_smem_bytes=smem_bytes):
+    plan = config.mosaic_gpu_plan(h, 4, backward=backward, params=1 if backward else 2)
+    assert (plan.stages, plan.params_in_smem) == (1, False)
+    y, *stats = jax.jit(lambda x, w, b: layer_norm_fwd_p.bind(
+        x, w, b, eps=1e-5, has_weight=True, has_bias=True, write_xhat=False, y_dtype=None,
+        implementation="mosaic_gpu", **kw))(x, w, b)
+    if backward:
+      outs = jax.jit(lambda *a: layer_norm_bwd_p.bind(
+          *a, has_weight=True, output_mask=(True, True, True), normalized=False,
+          write_xhat=False, implementation="mosaic_gpu", **kw))(dy, x, *stats, w)
+  y_ref, *stats_ref = reference.layer_norm_fwd(x, w, b, eps=1e-5, **kw)
+  assert_close(y, y_ref, F32, h, "y")
+  if backward:
+    refs = reference.layer_norm_bwd(dy, x, *stats, w, has_weight=True,
+                                    output_mask=(True, True, True), **kw)
+    for name, out, expected in zip(("dx", "dweight", "dbias"), outs, refs):
+      assert_close(out, expected, F32, h if name == "dx" else m, name)

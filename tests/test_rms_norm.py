@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_normgrad as jn
-from cases import DTYPES, random
+from cases import DTYPES, narrow, random
 import reference_np as ref
 from tolerances import assert_close
 
@@ -166,3 +166,14 @@ class TestRmsNormXla(RmsNormTests):
 
 class TestRmsNormPallas(RmsNormTests):
   implementation = "pallas"
+
+
+class TestRmsNormMosaicGpu(RmsNormTests):
+  """The Mosaic GPU kernels in GPU interpret mode (CPU): float32 cases only (16-bit x is
+  covered by TestLayerNormMosaicGpu, RMSNorm included), to keep the run short."""
+
+  implementation = "mosaic_gpu"
+
+  @pytest.fixture(autouse=True)
+  def _narrow(self, request):
+    narrow(request, "interpreted Mosaic GPU: float32 only", dtype=[jnp.float32])

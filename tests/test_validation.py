@@ -110,7 +110,7 @@ LAYER_CASES = [
     (lambda: jn.layer_norm(x, eps=-1.0), ValueError, "eps"),
     (lambda: jn.layer_norm(x, eps="1"), TypeError, "eps"),
     (lambda: jn.layer_norm(np.ones((2, 3))), TypeError, "float64"),
-    (lambda: jn.layer_norm(x, implementation="triton"), ValueError, "implementation"),
+    (lambda: jn.layer_norm(x, implementation="mosaic"), ValueError, "implementation"),
     (lambda: jn.layer_norm(x.astype(BF16), out_dtype=jnp.float16), TypeError, "out_dtype"),
     (lambda: jn.layer_norm(x, out_dtype=jnp.bfloat16), TypeError, "out_dtype"),
     (lambda: jn.rms_norm(x, out_dtype="int8"), TypeError, "out_dtype"),

@@ -156,17 +156,55 @@ def sum_partials(partials):
 # Dispatch: which kernels run where.
 
 
-def dispatch(gpu_fn, tpu_fn, arrays, *, interpret: bool, **static):
+@dataclasses.dataclass(frozen=True)
+class GpuBackend:
+  """The Pallas GPU backend a lowering was asked for (``_implementation.gpu_backend``).
+
+  ``name`` is "triton" or "mosaic_gpu". ``forced``: the user named it
+  (``implementation="mosaic_gpu"``), so a problem its kernels cannot run
+  raises; otherwise (``JAX_NORMGRAD_GPU_BACKEND``) Triton runs it instead,
+  with a ``FallbackWarning``.
+  """
+
+  name: str = "triton"
+  forced: bool = False
+
+
+TRITON = GpuBackend()
+
+
+def _gpu_kernels(backend: GpuBackend, seg: Segments, itemsize: int, *, backward: bool, op: str):
+  """The GPU kernel module for ``seg``: Mosaic GPU when asked for and able, else Triton."""
+  gpu, _ = _backends()
+  if backend.name != "mosaic_gpu":
+    return gpu
+  from jax_normgrad.pallas import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  reason = mosaic_gpu.unsupported(seg, itemsize, backward=backward)
+  if reason is None:
+    return mosaic_gpu
+  if backend.forced:
+    raise ValueError(f"{op}: implementation='mosaic_gpu' cannot run this problem: {reason}")
+  from jax_normgrad import _implementation  # pylint: disable=g-import-not-at-top
+  _implementation.warn_once(
+      f"jax_normgrad: {op}: the Mosaic GPU kernels (JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu) cannot "
+      f"run this problem ({reason}); the Triton kernels run it instead.")
+  return gpu
+
+
+def dispatch(gpu_fn, tpu_fn, arrays, *, interpret: bool, mosaic_gpu: bool = False, **static):
   """Runs ``gpu_fn`` on CUDA/ROCm, ``tpu_fn`` on TPU, either interpreted on CPU.
 
   The lowering rule is shared by every platform and only says whether to
   interpret, so the GPU/TPU choice is staged with ``lax.platform_dependent``:
   the branch of the platform being lowered is the only one compiled. On CPU
-  the tuning's ``interpret_backend`` picks which kernels the interpreter runs.
-  Both return the final outputs, so the branches have the same types.
+  the tuning's ``interpret_backend`` picks which kernels the interpreter runs,
+  unless ``gpu_fn`` is a Mosaic GPU kernel (``mosaic_gpu``), which runs in
+  Pallas' GPU interpret mode. Both return the final outputs, so the branches
+  have the same types.
   """
   if interpret:
-    fn = tpu_fn if config.current().interpret_backend == "tpu" else gpu_fn
+    use_tpu = config.current().interpret_backend == "tpu" and not mosaic_gpu
+    fn = tpu_fn if use_tpu else gpu_fn
     return fn(*arrays, interpret=True, **static)
   gpu = functools.partial(gpu_fn, interpret=False, **static)
   return lax.platform_dependent(*arrays, cuda=gpu, rocm=gpu,
@@ -180,7 +218,8 @@ def _backends():
   return gpu, tpu
 
 
-def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dtype=None):
+def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dtype=None,
+            gpu_backend: GpuBackend = TRITON, op: str = "norm_fwd"):
   """``(y, mean | None, rstd)``: ``y`` like x ``(n, a, b)``, statistics ``(n, groups)`` float32.
 
   y is in ``y_dtype`` (None: x's). The kernels read and write one dtype: a float32 y from a 16-bit x widens x
@@ -192,11 +231,13 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
   stats = jnp.zeros((seg.n, seg.groups), F32)
   if x.size == 0:
     return jnp.zeros_like(x), (stats if seg.centered else None), stats
-  return dispatch(gpu.forward, tpu.forward, (x, weight, bias), interpret=interpret, seg=seg,
-                  eps=eps)
+  kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=False, op=op)
+  return dispatch(kernels.forward, tpu.forward, (x, weight, bias), interpret=interpret,
+                  mosaic_gpu=kernels is not gpu, seg=seg, eps=eps)
 
 
-def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool):
+def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
+             gpu_backend: GpuBackend = TRITON, op: str = "norm_bwd"):
   """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools).
 
   ``dx`` like x; ``dgamma``, ``dbeta`` of shape ``(param_groups, channels)``
@@ -215,6 +256,8 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool):
   x_dtype = x.dtype
   if dy.dtype != x_dtype:
     x, dy = x.astype(F32), dy.astype(F32)
-  dx, dgamma, dbeta = dispatch(gpu.backward, tpu.backward, (dy, x, mean, rstd, gamma),
-                               interpret=interpret, seg=seg, mask=tuple(mask))
+  kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
+  dx, dgamma, dbeta = dispatch(kernels.backward, tpu.backward, (dy, x, mean, rstd, gamma),
+                               interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg,
+                               mask=tuple(mask))
   return (None if dx is None else dx.astype(x_dtype)), dgamma, dbeta

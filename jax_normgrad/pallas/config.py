@@ -74,6 +74,14 @@ class Tuning:
   tpu_cores: int = 2
   #: Which kernels ``interpret=True`` (CPU) runs: "gpu" or "tpu".
   interpret_backend: str = "gpu"
+  #: Mosaic GPU: SMEM one CTA may use (bytes). H100 allows 227 KiB per block;
+  #: Pallas reserves some for its cross-warp reductions and barriers.
+  mosaic_gpu_smem_bytes: int = 200 * 1024
+  #: Mosaic GPU: SMEM of one SM shared by its resident CTAs (H100: 228 KiB).
+  mosaic_gpu_smem_per_sm: int = 228 * 1024
+  #: Mosaic GPU: most persistent CTAs (one warpgroup each) per SM; more hide
+  #: more latency while SMEM lasts.
+  mosaic_gpu_max_ctas_per_sm: int = 4
 
 
 _tuning = Tuning()
@@ -185,6 +193,70 @@ def split(samples: int, target: int) -> tuple[int, int]:
   """``(programs, samples per program)``: at most ``target`` programs, none empty."""
   per = cdiv(samples, max(min(target, samples), 1))
   return cdiv(samples, per), per
+
+
+# ----------------------------------------------------------------------------
+# GPU (Mosaic GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuPlan:
+  """How a LayerNorm row of ``h`` elements is laid out for the Mosaic GPU kernels.
+
+  Attributes:
+    width: elements of one SMEM row and of one register chunk: 256 (the
+      largest TMA box side), 128 for short rows; a multiple of 128 bytes, as
+      a TMA copy must be.
+    chunks: SMEM rows per data row; ``width * chunks`` is the row zero-padded.
+    stages: SMEM buffers per streamed operand (2: double-buffered).
+    params_in_smem: the parameter rows are staged in SMEM once per CTA (else
+      read from GMEM, through L2, chunk by chunk).
+    smem: SMEM bytes of one CTA.
+  """
+
+  width: int
+  chunks: int
+  stages: int
+  params_in_smem: bool
+  smem: int
+
+  @property
+  def padded(self) -> int:
+    return self.width * self.chunks
+
+
+def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, outputs: int = 1,
+                    partials: int = 2) -> MosaicGpuPlan | None:
+  """The SMEM layout of a row, None when a whole row does not fit one CTA's SMEM.
+
+  A CTA holds, per stage, the streamed inputs (x; x and dy backward) and the
+  output row (y; dx when asked for), plus, once, the float32 parameter rows
+  and (backward) the float32 partial-sum rows. The first that fits of: two
+  stages, one, then both again with the parameters read from GMEM.
+  """
+  width = 256 if h > 128 else 128
+  chunks = cdiv(max(h, 1), width)
+  if chunks > 256:  # a TMA box side
+    return None
+  row = width * chunks
+  per_stage = row * itemsize * ((2 if backward else 1) + outputs)
+  for params_in_smem in (True, False):
+    fixed = row * 4 * (params * params_in_smem + (partials if backward else 0))
+    for stages in (2, 1):
+      smem = stages * per_stage + fixed
+      if smem <= current().mosaic_gpu_smem_bytes:
+        return MosaicGpuPlan(width=width, chunks=chunks, stages=stages,
+                             params_in_smem=params_in_smem, smem=smem)
+  return None
+
+
+def mosaic_gpu_ctas(plan: MosaicGpuPlan, *, interpret: bool) -> int:
+  """Target number of persistent CTAs: as many per SM as their SMEM allows, up to the cap."""
+  t = current()
+  if interpret:
+    return t.interpret_programs
+  per_sm = min(max(t.mosaic_gpu_smem_per_sm // plan.smem, 1), t.mosaic_gpu_max_ctas_per_sm)
+  return (_attached_sms() or t.gpu_default_sms) * per_sm
 
 
 # ----------------------------------------------------------------------------

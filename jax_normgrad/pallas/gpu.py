@@ -1,11 +1,16 @@
 """Pallas Triton kernels for CUDA and ROCm: persistent programs that loop over their samples.
 
-Backend choice: Triton, on purpose. It lowers for every recent NVIDIA GPU
-(A100 as well as H100) and for ROCm, and its masked loads of power-of-two
-tiles are how rows that are not powers of two are handled. Mosaic GPU, its
-successor in JAX, needs Hopper or newer and does not run on ROCm. Every
-``pallas_call`` here passes ``pltriton.CompilerParams``, so the backend does
-not depend on the ``jax_pallas_use_mosaic_gpu`` default.
+Backend choice: Triton is the default GPU backend. It lowers for every
+recent NVIDIA GPU (A100 as well as H100) and for ROCm, and its masked loads
+of power-of-two tiles are how rows that are not powers of two are handled.
+JAX deprecates it from 0.11 in favour of Mosaic GPU, which needs Hopper or
+newer and does not run on ROCm: ``mosaic_gpu.py`` holds the Mosaic GPU
+kernels (LayerNorm / RMSNorm so far), chosen with
+``implementation="mosaic_gpu"`` or ``JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu``
+(``_implementation``); they become the default on sm_90+ once they have
+passed their suite on a real H100. Every ``pallas_call`` here passes
+``pltriton.CompilerParams``, so the backend does not depend on the
+``jax_pallas_use_mosaic_gpu`` default.
 
 Launch: programs ``(w, g, p)``, flattened to one grid axis; program ``p`` of
 parameter group ``w`` and channel group ``g`` handles a contiguous range of

@@ -37,7 +37,7 @@ def _warn_residual_unfused():
 
 
 def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
-                   y_dtype, interpret, has_residual=False, h_dtype=None):
+                   y_dtype, interpret, gpu_backend=common.TRITON, has_residual=False, h_dtype=None):
   """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``, then xhat if asked.
 
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
@@ -53,14 +53,15 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
     h32 = x.astype(F32) + residual.astype(F32)
     outs = layer_norm_fwd(h32, *params, eps=eps, centered=centered, has_weight=has_weight,
                           has_bias=has_bias, param_groups=param_groups, write_xhat=write_xhat,
-                          y_dtype=None, interpret=interpret)
+                          y_dtype=None, interpret=interpret, gpu_backend=gpu_backend)
     outs[0] = outs[0].astype(y_dtype or x.dtype)
     return outs + [h32.astype(h_dtype or x.dtype)]
   # The tiles compute in float32; 16-bit parameters are converted first.
   weight, bias = map(reference.float32_or_none, common.unpack(params, has_weight, has_bias))
   seg = _rows(x, centered, param_groups)
   y, mean, rstd = common.forward(seg, x.reshape(seg.n, 1, seg.b), weight, bias, eps=eps,
-                                 interpret=interpret, y_dtype=y_dtype)
+                                 interpret=interpret, y_dtype=y_dtype, gpu_backend=gpu_backend,
+                                 op="layer_norm_fwd")
   mean = mean.reshape(seg.n) if centered else None
   rstd = rstd.reshape(seg.n)
   outs = [y.reshape(x.shape)] + ([mean, rstd] if centered else [rstd])
@@ -68,7 +69,7 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
 
 
 def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-                   write_xhat, interpret, has_dh=False):
+                   write_xhat, interpret, gpu_backend=common.TRITON, has_dh=False):
   """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
 
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row (no
@@ -87,7 +88,7 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
     outs = layer_norm_bwd(dy.astype(F32), x.astype(F32), *rest, centered=centered,
                           has_weight=has_weight, output_mask=output_mask,
                           param_groups=param_groups, normalized=normalized,
-                          write_xhat=write_xhat, interpret=interpret)
+                          write_xhat=write_xhat, interpret=interpret, gpu_backend=gpu_backend)
     outs[0] = (outs[0] + dh.astype(F32)).astype(x.dtype)
     if write_xhat:
       outs[-1] = outs[-1].astype(x.dtype)
@@ -106,7 +107,8 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   view = (seg.n, 1, seg.b)
   outs = common.backward(seg, kdy.reshape(view), kx.reshape(view),
                          None if mean is None else mean.reshape(seg.n, 1),
-                         kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret)
+                         kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret,
+                         gpu_backend=gpu_backend, op="layer_norm_bwd")
   dx = None if outs[0] is None else outs[0].reshape(x.shape)
   if dx is not None and normalized:
     dx = (dx.astype(F32) * rstd[:, None]).astype(x.dtype)

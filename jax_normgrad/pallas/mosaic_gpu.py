@@ -1,0 +1,404 @@
+"""Pallas Mosaic GPU kernels (Hopper and newer, CUDA only): LayerNorm / RMSNorm rows.
+
+Mosaic GPU is the Pallas GPU backend JAX keeps (the Triton one is deprecated
+from jax 0.11). It targets sm_90+ and runs one warpgroup (128 threads) per
+CTA; data moves GMEM -> SMEM by TMA, SMEM -> registers by plain loads.
+
+Design (``config.mosaic_gpu_plan`` has the numbers):
+
+* Persistent grid: a few CTAs per SM (as many as their SMEM allows, at most
+  ``mosaic_gpu_max_ctas_per_sm``); CTA ``p`` of parameter group ``w`` walks a
+  contiguous range of that group's rows.
+* Rows are streamed through SMEM by TMA, double-buffered: row ``i + 1`` is in
+  flight while row ``i`` is computed (one buffer where two do not fit). A row
+  is viewed as ``(chunks, width)``, width 128 or 256 (a TMA box side is at
+  most 256 elements): one TMA copy per row and operand. The whole row sits in
+  SMEM, so x (and dy) is read from HBM once; statistics and dx come from SMEM.
+* Outputs (y, dx) are written to SMEM and stored by TMA, double-buffered too.
+* dweight / dbias: float32 partial sums per CTA, kept in SMEM across its rows
+  and stored once; the partials are summed over CTAs in a fixed order
+  (``common.sum_partials``): bitwise deterministic, no atomics.
+* Rows whose length is not a multiple of the width are padded with zeros in
+  XLA (the TMA box must match the SMEM buffer, and a copy must move a multiple
+  of 128 bytes): an extra copy of x / dy for such shapes, none for the usual
+  hidden sizes (multiples of 256). Padded columns are masked out of the
+  variance; elsewhere their dy is 0 and contributes nothing.
+
+What is not here yet (the Triton kernels have it):
+
+* Rows longer than fit SMEM (``mosaic_gpu_plan`` returns None beyond about
+  25K elements forward and 10K backward in float32, 51K and 14K in 16-bit
+  types) are not chunked (a chunked design would stream the
+  row twice, statistics then output, as the Triton kernels do, and keep the
+  parameter-gradient partials in registers per column chunk); GroupNorm has no
+  Mosaic GPU kernel. Both are refused when Mosaic GPU is forced and announced
+  (``FallbackWarning``) when it is only preferred (``JAX_NORMGRAD_GPU_BACKEND``).
+* The register chunk is one SMEM row (2 elements per thread); wider chunks
+  (several SMEM rows per load) would cut loop overhead.
+* Warp specialization (a producer warp issuing TMA, consumer warpgroups
+  computing; ``emit_pipeline_warp_specialized``) would keep more bytes in
+  flight than one warpgroup per CTA.
+
+Blackwell (sm_100) would change little for a memory-bound kernel: the same
+TMA and barriers apply; its larger L2 and TMA multicast over a CTA cluster
+could share the parameter rows between CTAs, and TMEM is of no use without
+matrix multiplies. None of this has run on a GPU yet (see docs/api.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_normgrad import _compat
+from jax_normgrad.pallas import common, config
+
+F32 = jnp.float32
+
+
+def unsupported(seg: common.Segments, itemsize: int, *, backward: bool) -> str | None:
+  """Why these kernels cannot run ``seg`` (None when they can)."""
+  missing = _compat.mosaic_gpu_api_missing()
+  if missing:
+    return missing
+  if seg.kind != "rows":
+    return "GroupNorm has no Mosaic GPU kernel yet"
+  if config.mosaic_gpu_plan(seg.b, itemsize, backward=backward) is None:
+    return (f"rows of {seg.b} elements do not fit the Mosaic GPU kernels' shared memory "
+            f"(chunked long rows are not implemented yet)")
+  return None
+
+
+class _Launch:
+  """Static geometry of one launch: CTAs per parameter group, their rows, the row view."""
+
+  def __init__(self, seg: common.Segments, plan: config.MosaicGpuPlan, interpret):
+    self.seg, self.plan, self.interpret = seg, plan, bool(interpret)
+    target = config.mosaic_gpu_ctas(plan, interpret=self.interpret)
+    self.ctas, self.per_cta = config.split(seg.per_group, max(target // seg.param_groups, 1))
+    self.grid = (seg.param_groups * self.ctas,)
+
+  def rows(self):
+    """``(w, p, start, end)``: this CTA's parameter group, index and rows ``[start, end)``."""
+    cta = lax.axis_index("cta")
+    w, p = lax.div(cta, self.ctas), lax.rem(cta, self.ctas)
+    start = w * self.seg.per_group + p * self.per_cta
+    return w, p, start, jnp.minimum(start + self.per_cta, (w + 1) * self.seg.per_group)
+
+  def view(self, a):
+    """``(..., b)`` -> ``(..., chunks, width)``, zero-padded to a whole number of chunks."""
+    if a is None:
+      return None
+    pad = self.plan.padded - a.shape[-1]
+    if pad:
+      a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+    return a.reshape(a.shape[:-1] + (self.plan.chunks, self.plan.width))
+
+  def unview(self, a):
+    """The inverse of ``view`` for a ``(rows, chunks, width)`` result."""
+    return a.reshape(a.shape[0], self.plan.padded)[:, :self.seg.b]
+
+  def staged(self, n_params) -> bool:
+    """Whether the kernel has SMEM buffers (and a barrier) for its ``n_params`` parameter rows."""
+    return bool(n_params) and self.plan.params_in_smem
+
+  def smem(self, count, dtype):
+    """``count`` SMEM buffers of one row each (leading axis), ``mosaic_gpu`` types."""
+    plgpu = _compat.plgpu()
+    return plgpu.SMEM((count, self.plan.chunks, self.plan.width), dtype)
+
+  def call(self, kernel, out_shape, scratch, *operands, interpret, name):
+    """``plgpu.kernel`` over this launch's grid; None operands are left out."""
+    plgpu = _compat.plgpu()
+    operands = [a for a in operands if a is not None]
+    return plgpu.kernel(kernel, out_type=common.typed_like(out_shape, operands),
+                        scratch_types=scratch, grid=self.grid, grid_names=("cta",),
+                        interpret=_compat.mosaic_gpu_interpret(interpret),
+                        kernel_name=name)(*operands)
+
+  def loop(self, body, init):
+    """``body(k, carry)`` over the chunks of a row."""
+    return lax.fori_loop(0, self.plan.chunks, body, init)
+
+  def sum_chunks(self, term):
+    """``sum_k term(k)`` over the chunks of a row, elementwise (term: a tuple of arrays).
+
+    The first term is the initial carry: a loop carry keeps its register
+    layout, and a zeros array would have a different one (splat).
+    """
+    add = lambda k, acc: tuple(a + t for a, t in zip(acc, term(k)))
+    return lax.fori_loop(1, self.plan.chunks, add, term(0))
+
+  def in_row(self, k):
+    """Mask of the chunk-k elements inside the (unpadded) row; None without padding."""
+    if self.plan.padded == self.seg.b:
+      return None
+    width = self.plan.width
+    if self.interpret:  # GPU interpret mode has no rule for layout casts
+      iota = lax.broadcasted_iota(jnp.int32, (width,), 0)
+    else:  # the layout of a chunk loaded from SMEM: 128 threads, width / 128 each
+      plgpu = _compat.plgpu()
+      iota = plgpu.broadcasted_iota(jnp.int32, (width,), 0,
+                                    layout=plgpu.Layout.WG_STRIDED((width,), width // 128))
+    return iota < self.seg.b - k * width
+
+
+def _barrier(arrivals, count=1):
+  plgpu = _compat.plgpu()
+  return plgpu.Barrier(num_arrivals=arrivals, num_barriers=count)
+
+
+def _params(launch, srcs, buf, barrier, w):
+  """``read(k)``: chunk k of this CTA's parameter rows (None where absent).
+
+  With ``plan.params_in_smem`` the rows are TMA-loaded into ``buf[j]`` once per
+  CTA (waited for here); else each chunk is loaded from GMEM as it is needed
+  (L2-resident: every CTA reads the same rows), which leaves the SMEM to the
+  rows of long inputs.
+  """
+  plgpu = _compat.plgpu()
+  present = [s for s in srcs if s is not None]
+  if not launch.plan.params_in_smem:
+    return lambda k: [None if s is None else s[w, k] for s in srcs]
+  for j, src in enumerate(present):
+    plgpu.copy_gmem_to_smem(src.at[w], buf.at[j], barrier.at[0])
+  if present:
+    plgpu.barrier_wait(barrier.at[0])
+
+  def read(k):
+    out, j = [], 0
+    for src in srcs:
+      out.append(None if src is None else buf[j, k])
+      j += src is not None
+    return out
+
+  return read
+
+
+def _stream(launch, srcs, bufs, barrier, start, end, body):
+  """Calls ``body(i, slot)`` for rows ``[start, end)`` with ``srcs[.][i]`` in ``bufs[.][slot]``.
+
+  With two stages row ``i + 1`` is fetched by TMA while row ``i`` is
+  computed; with one, after it. The slot being refilled was last read by the
+  previous row, whose SMEM stores (Pallas places a warpgroup barrier after
+  each) follow all its reads.
+  """
+  plgpu = _compat.plgpu()
+  stages = launch.plan.stages
+
+  def fetch(i, slot):
+    for src, buf in zip(srcs, bufs):
+      plgpu.copy_gmem_to_smem(src.at[i], buf.at[slot], barrier.at[slot])
+
+  @pl.when(start < end)
+  def _():
+    fetch(start, 0)
+
+  def row(i, carry):
+    slot = lax.rem(i - start, stages)
+    if stages == 2:
+      @pl.when(i + 1 < end)
+      def _():
+        fetch(i + 1, 1 - slot)
+    plgpu.barrier_wait(barrier.at[slot])
+    body(i, slot)
+    if stages == 1:
+      @pl.when(i + 1 < end)
+      def _():
+        fetch(i + 1, 0)
+    return carry
+
+  lax.fori_loop(start, end, row, 0)
+
+
+def _store_row(launch, buf, slot, dst, i):
+  """TMA-stores the output row in ``buf[slot]`` to ``dst[i]`` (waited for before reuse)."""
+  plgpu = _compat.plgpu()
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(buf.at[slot], dst.at[i])
+
+
+def _wait_output_slot(launch):
+  """Before writing an output slot: the store issued from it ``stages`` rows ago has read it."""
+  _compat.plgpu().wait_smem_to_gmem(launch.plan.stages - 1, wait_read_only=True)
+
+
+# ----------------------------------------------------------------------------
+# Forward: y, mean, rstd
+
+
+def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: bool):
+  """Per row: statistics from the row in SMEM (two passes, exact), then ``y`` to SMEM and HBM."""
+  seg = launch.seg
+  staged = launch.staged(has_weight + has_bias)
+  (x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, xs, ys, ps, bar, pbar) = common.unpack(
+      refs, True, has_weight, has_bias, True, seg.centered, True, True, True, staged, True,
+      staged)
+  w, _, start, end = launch.rows()
+  params = _params(launch, (w_ref, b_ref), ps, pbar, w)
+
+  def row(i, slot):
+    xrow = xs.at[slot]
+    load = lambda k: xrow[k].astype(F32)
+    if seg.centered:
+      mean = jnp.sum(launch.sum_chunks(lambda k: (load(k),))[0]) / seg.b
+
+      def square(k):
+        d = load(k) - mean
+        ok = launch.in_row(k)
+        d = d if ok is None else jnp.where(ok, d, 0.0)
+        return (d * d,)
+    else:
+      mean = None
+      square = lambda k: (load(k) * load(k),)  # padding is 0
+    # lax.rsqrt: Mosaic GPU has no sqrt (common.inv_std).
+    rstd = lax.rsqrt(jnp.sum(launch.sum_chunks(square)[0]) / seg.b + jnp.float32(eps))
+    _wait_output_slot(launch)
+
+    def write(k, carry):
+      x = load(k)
+      ys[slot, k] = common.normalize(x - mean if seg.centered else x, rstd,
+                                     *params(k)).astype(ys.dtype)
+      return carry
+
+    launch.loop(write, 0)
+    _store_row(launch, ys, slot, y_ref, i)
+    if seg.centered:
+      mean_ref[i, 0] = mean
+    rstd_ref[i, 0] = rstd
+
+  _stream(launch, (x_ref,), (xs,), bar, start, end, row)
+  _compat.plgpu().wait_smem_to_gmem(0)
+
+
+def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
+  """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows; see ``common.forward``."""
+  plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=False,
+                                params=(weight is not None) + (bias is not None))
+  launch = _Launch(seg, plan, interpret)
+  n_params = (weight is not None) + (bias is not None)
+  rows = x.reshape(seg.n, seg.b)
+  stats = jax.ShapeDtypeStruct((seg.n, 1), F32)
+  scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, x.dtype)]
+  if launch.staged(n_params):
+    scratch.append(launch.smem(n_params, F32))
+  scratch.append(_barrier(1, plan.stages))
+  if launch.staged(n_params):
+    scratch.append(_barrier(n_params))
+  kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps,
+                             has_weight=weight is not None, has_bias=bias is not None)
+  y, *st = launch.call(
+      kernel, [jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), x.dtype)]
+      + [stats] * (1 + seg.centered), scratch, launch.view(rows), launch.view(weight),
+      launch.view(bias), interpret=interpret, name="jax_normgrad_norm_fwd")
+  y = launch.unview(y).reshape(x.shape)
+  return (y, *st) if seg.centered else (y, None, st[0])
+
+
+# ----------------------------------------------------------------------------
+# Backward: dx and the parameter gradients
+
+
+def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma: bool):
+  """Per row: ``c1``, ``c2`` from the row in SMEM, then dx and the partial sums in one pass.
+
+  The partials of ``sum dy * xhat`` and ``sum dy`` live in SMEM (one row each,
+  float32) across the CTA's rows and are stored once, as its partial row.
+  """
+  seg = launch.seg
+  n_acc = mask[1] + mask[2]
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, dx_ref, dw_ref, db_ref,
+   xs, dys, dxs, gs, accs, bar, pbar) = common.unpack(
+       refs, True, True, seg.centered, True, has_gamma, *mask, True, True, mask[0],
+       launch.staged(has_gamma), n_acc > 0, True, launch.staged(has_gamma))
+  w, p, start, end = launch.rows()
+  params = _params(launch, (gamma_ref,), gs, pbar, w)
+  width = launch.plan.width
+  zeros = jnp.zeros((width,), F32)
+  if n_acc:
+    def clear(k, carry):
+      for j in range(n_acc):
+        accs[j, k] = zeros
+      return carry
+    launch.loop(clear, 0)
+
+  def row(i, slot):
+    mean = mean_ref[i, 0] if seg.centered else None
+    rstd = rstd_ref[i, 0]
+
+    def tile(k):
+      gamma, = params(k)
+      dy = dys[slot, k].astype(F32)
+      xhat, g = common.xhat_and_g(xs[slot, k].astype(F32), dy, mean, rstd, gamma)
+      return dy, xhat, g  # padded columns: dy = g = 0
+
+    if mask[0]:
+      def means(k):
+        _, xhat, g = tile(k)
+        return (g, g * xhat)
+      s1, s2 = launch.sum_chunks(means)
+      c1 = jnp.sum(s1) / seg.b if seg.centered else None
+      c2 = jnp.sum(s2) / seg.b
+      _wait_output_slot(launch)
+
+    def chunk(k, carry):
+      dy, xhat, g = tile(k)
+      if mask[0]:
+        dxs[slot, k] = common.grad_input(g, xhat, c1, c2, rstd).astype(dxs.dtype)
+      terms = [t for t, want in ((dy * xhat, mask[1]), (dy, mask[2])) if want]
+      for j, t in enumerate(terms):
+        accs[j, k] = accs[j, k] + t
+      return carry
+
+    launch.loop(chunk, 0)
+    if mask[0]:
+      _store_row(launch, dxs, slot, dx_ref, i)
+
+  _stream(launch, (x_ref, dy_ref), (xs, dys), bar, start, end, row)
+  plgpu = _compat.plgpu()
+  if n_acc:
+    plgpu.commit_smem()
+    for j, ref in enumerate(r for r in (dw_ref, db_ref) if r is not None):
+      plgpu.copy_smem_to_gmem(accs.at[j], ref.at[w, p])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret):
+  """``(dx | None, dgamma | None, dbeta | None)`` of LayerNorm / RMSNorm rows; see ``common.backward``."""
+  has_gamma = gamma is not None
+  n_acc = mask[1] + mask[2]
+  plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=True, params=int(has_gamma),
+                                outputs=int(mask[0]), partials=n_acc)
+  launch = _Launch(seg, plan, interpret)
+  view = lambda a: launch.view(a.reshape(seg.n, seg.b))
+  scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, dy.dtype)]
+  if mask[0]:
+    scratch.append(launch.smem(plan.stages, x.dtype))
+  if launch.staged(has_gamma):
+    scratch.append(launch.smem(1, F32))
+  if n_acc:
+    scratch.append(launch.smem(n_acc, F32))
+  scratch.append(_barrier(2, plan.stages))
+  if launch.staged(has_gamma):
+    scratch.append(_barrier(1))
+  partial = jax.ShapeDtypeStruct((seg.param_groups, launch.ctas, plan.chunks, plan.width), F32)
+  out_shape = ([jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), x.dtype)]
+               if mask[0] else []) + [partial] * n_acc
+  outs = list(launch.call(
+      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_gamma=has_gamma), out_shape,
+      scratch, view(dy), view(x), mean, rstd, launch.view(gamma), interpret=interpret,
+      name="jax_normgrad_norm_bwd"))
+  dx = launch.unview(outs.pop(0)).reshape(x.shape) if mask[0] else None
+  sums = []
+  for m in mask[1:]:
+    if m:
+      part = outs.pop(0)
+      part = part.reshape(part.shape[:2] + (plan.padded,))[..., :seg.b]
+      sums.append(common.sum_partials(part))
+    else:
+      sums.append(None)
+  return (dx, *sums)
