@@ -102,3 +102,10 @@ def narrow(request, reason: str, tests=(), **allowed):
   if request.node.originalname in tests or any(
       name in params and params[name] not in values for name, values in allowed.items()):
     pytest.skip(reason)
+
+
+def needs_mosaic_gpu(obj):
+  """Skips a Mosaic GPU test (class or function) where this jax lacks the API the kernels use."""
+  from jax_normgrad import _compat  # pylint: disable=g-import-not-at-top
+  missing = _compat.mosaic_gpu_api_missing()
+  return pytest.mark.skipif(missing is not None, reason=str(missing))(obj)

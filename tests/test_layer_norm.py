@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax_normgrad as jn
+import cases
 from cases import DTYPES, LN_CASES, LONG_ROW, MASKS, random, rotate
 import reference_np as ref
 from tolerances import assert_close
@@ -344,6 +345,7 @@ class TestLayerNormPallas(LayerNormOpTests):
   deterministic_shape = (515, 257)
 
 
+@cases.needs_mosaic_gpu
 class TestLayerNormMosaicGpu(LayerNormOpTests):
   """The Mosaic GPU kernels in Pallas' GPU interpret mode on CPU (threads, SMEM, TMA and
   barriers simulated).

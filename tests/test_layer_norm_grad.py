@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax_normgrad as jn
+import cases
 from cases import DTYPES, narrow, random
 import reference_np as ref
 from tolerances import assert_close
@@ -207,6 +208,7 @@ class TestLayerNormGradPallas(LayerNormGradTests):
   implementation = "pallas"
 
 
+@cases.needs_mosaic_gpu
 class TestLayerNormGradMosaicGpu(LayerNormGradTests):
   """The Mosaic GPU kernels in GPU interpret mode (CPU): float32 cases only, and vmap left
   to the other suites, to keep the run short."""

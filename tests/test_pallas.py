@@ -25,7 +25,7 @@ from jax_normgrad.ops._common import present
 from jax_normgrad.pallas import config
 from jax_normgrad.primitives.group_norm import group_norm_bwd_p, group_norm_fwd_p
 from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
-from cases import DTYPES, MASKS, export_for, random, rotate
+from cases import DTYPES, MASKS, export_for, needs_mosaic_gpu, random, rotate
 import reference_np as ref
 from tolerances import assert_close
 
@@ -290,6 +290,7 @@ def _assert_mosaic_gpu(text):
     assert f"jax_normgrad_norm_{k}" in text, k
 
 
+@needs_mosaic_gpu
 @pytest.mark.parametrize("dtype,hidden", [(jnp.float32, 1000), (jnp.bfloat16, 4096),
                                           (jnp.float32, 768)])
 def test_layer_norm_grad_lowers_to_mosaic_gpu(dtype, hidden):
@@ -299,12 +300,14 @@ def test_layer_norm_grad_lowers_to_mosaic_gpu(dtype, hidden):
                                                  _sds((hidden,), dtype), _sds((hidden,), dtype))))
 
 
+@needs_mosaic_gpu
 def test_rms_norm_and_vmap_lower_to_mosaic_gpu():
   rms = jax.vmap(_grad_of(lambda x, w, b: jn.rms_norm(x, w, implementation="mosaic_gpu") + b))
   _assert_mosaic_gpu(_export_cuda(rms, (_sds((3, 64, 2048), jnp.bfloat16),
                                         _sds((3, 2048), F32), _sds((3, 2048), F32))))
 
 
+@needs_mosaic_gpu
 def test_gpu_backend_environment_variable(monkeypatch):
   args = (_sds((64, 1024), F32), _sds((1024,), F32), _sds((1024,), F32))
   monkeypatch.delenv("JAX_NORMGRAD_GPU_BACKEND", raising=False)
@@ -318,16 +321,16 @@ def test_gpu_backend_environment_variable(monkeypatch):
   _implementation.warn_once.cache_clear()
   gn = _grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1))
   with pytest.warns(jn.FallbackWarning, match="Triton kernels run it instead"):
-    text = jax.export.export(
-        jax.jit(gn), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
-            _sds((2, 8, 8, 16), F32), _sds((16,), F32), _sds((16,), F32)).mlir_module()
+    text = export_for(
+        "cuda", jax.jit(gn), (_sds((2, 8, 8, 16), F32), _sds((16,), F32), _sds((16,), F32)),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]).mlir_module()
   assert TRITON in text and MOSAIC_GPU not in text
   monkeypatch.setenv("JAX_NORMGRAD_GPU_BACKEND", "cuda")
   with pytest.raises(ValueError, match="JAX_NORMGRAD_GPU_BACKEND"):
     _export_cuda(_grad_of(jn.layer_norm), args)
 
 
+@needs_mosaic_gpu
 def test_forced_mosaic_gpu_raises_where_it_cannot_run():
   x, w = _sds((8, 64), F32), _sds((64,), F32)
   ln = lambda x, w: jn.layer_norm(x, w, implementation="mosaic_gpu")
@@ -342,6 +345,7 @@ def test_forced_mosaic_gpu_raises_where_it_cannot_run():
     jax.export.export(jax.jit(long), platforms=["cuda"])(_sds((2, 100_000), F32))
 
 
+@needs_mosaic_gpu
 @pytest.mark.parametrize("smem_bytes,backward", [(6000, False), (10300, True)])
 def test_mosaic_gpu_single_stage_and_parameters_from_gmem(rng, smem_bytes, backward):
   # A small SMEM budget: one buffer per streamed row and the parameters read from

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax_normgrad as jn
+import cases
 from cases import DTYPES, narrow, random
 import reference_np as ref
 from tolerances import assert_close
@@ -168,6 +169,7 @@ class TestRmsNormPallas(RmsNormTests):
   implementation = "pallas"
 
 
+@cases.needs_mosaic_gpu
 class TestRmsNormMosaicGpu(RmsNormTests):
   """The Mosaic GPU kernels in GPU interpret mode (CPU): float32 cases only (16-bit x is
   covered by TestLayerNormMosaicGpu, RMSNorm included), to keep the run short."""
