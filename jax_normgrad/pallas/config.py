@@ -226,22 +226,25 @@ class MosaicGpuPlan:
 
 
 def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, outputs: int = 1,
-                    partials: int = 2) -> MosaicGpuPlan | None:
+                    partials: int = 2, inputs: int | None = None) -> MosaicGpuPlan | None:
   """The SMEM layout of a row, None when a whole row does not fit one CTA's SMEM.
 
-  A CTA holds, per stage, the streamed inputs (x; x and dy backward) and the
-  output row (y; dx when asked for), plus, once, the float32 parameter rows
-  and (backward) the float32 partial-sum rows. The first that fits of: two
-  stages, one, then both again with the parameters read from GMEM.
+  A CTA holds, per stage, the streamed inputs (``inputs``; default x, and dy
+  backward) and the output row (y; dx when asked for), plus, once, the
+  float32 parameter rows and (backward, or any kernel passing ``inputs``) the
+  float32 partial-sum rows. The first that fits of: two stages, one, then
+  both again with the parameters read from GMEM.
   """
   width = 256 if h > 128 else 128
   chunks = cdiv(max(h, 1), width)
   if chunks > 256:  # a TMA box side
     return None
   row = width * chunks
-  per_stage = row * itemsize * ((2 if backward else 1) + outputs)
+  if inputs is None:
+    inputs, partials = (2, partials) if backward else (1, 0)
+  per_stage = row * itemsize * (inputs + outputs)
   for params_in_smem in (True, False):
-    fixed = row * 4 * (params * params_in_smem + (partials if backward else 0))
+    fixed = row * 4 * (params * params_in_smem + partials)
     for stages in (2, 1):
       smem = stages * per_stage + fixed
       if smem <= current().mosaic_gpu_smem_bytes:

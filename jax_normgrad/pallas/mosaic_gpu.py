@@ -66,7 +66,10 @@ def unsupported(seg: common.Segments, itemsize: int, *, backward: bool) -> str |
   if missing:
     return missing
   if seg.kind != "rows":
-    return "GroupNorm has no Mosaic GPU kernel yet"
+    if _GroupRows(seg).plans(itemsize, backward=backward) is None:
+      return (f"rows of {seg.b} elements (the {'HW' if seg.chan_axis == 1 else 'C'} of GroupNorm) "
+              f"do not fit the Mosaic GPU kernels' shared memory")
+    return None
   if config.mosaic_gpu_plan(seg.b, itemsize, backward=backward) is None:
     return (f"rows of {seg.b} elements do not fit the Mosaic GPU kernels' shared memory "
             f"(chunked long rows are not implemented yet)")
@@ -276,7 +279,9 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
 
 
 def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
-  """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows; see ``common.forward``."""
+  """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``common.forward``."""
+  if seg.kind != "rows":
+    return _group_forward(x, weight, bias, seg=seg, eps=eps, interpret=interpret)
   plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=False,
                                 params=(weight is not None) + (bias is not None))
   launch = _Launch(seg, plan, interpret)
@@ -368,7 +373,9 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
 
 
 def backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret):
-  """``(dx | None, dgamma | None, dbeta | None)`` of LayerNorm / RMSNorm rows; see ``common.backward``."""
+  """``(dx | None, dgamma | None, dbeta | None)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``common.backward``."""
+  if seg.kind != "rows":
+    return _group_backward(dy, x, mean, rstd, gamma, seg=seg, mask=mask, interpret=interpret)
   has_gamma = gamma is not None
   n_acc = mask[1] + mask[2]
   plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=True, params=int(has_gamma),
@@ -402,3 +409,362 @@ def backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret)
     else:
       sums.append(None)
   return (dx, *sums)
+
+
+# ----------------------------------------------------------------------------
+# GroupNorm: a sums kernel, a fixed-order combination in XLA, an apply kernel.
+#
+# A GroupNorm segment (sample i, group g) is not a row: in NCHW it is cg rows
+# of HW (one per channel), in channels-last HW rows of C restricted to cg
+# columns, and a sample of either is usually larger than SMEM. So both
+# layouts are two streaming passes over rows, each row read by TMA into SMEM
+# as in the LayerNorm kernels:
+#
+# 1. Sums per (sample, channel) over the spatial axis: the moments (mean and
+#    sum of squared deviations) forward; ``sum dy`` and ``sum dy * xhat``
+#    backward. NCHW: a row is one (i, c), reduced in SMEM (two passes for the
+#    variance, exact). Channels-last: a row is one (i, hw); the CTAs of sample
+#    i each own a range of its rows and keep per-column float32 accumulators
+#    in SMEM (Welford's update forward, exact to rounding), stored once as the
+#    CTA's partial row.
+# 2. In XLA, on (N, C)-sized arrays, in a fixed order (``_ordered_sum``, Chan's
+#    merge ``common.combine_moments``): CTA partials -> per (i, c) -> per group
+#    (statistics; ``c1``, ``c2``) and -> per parameter group (dgamma, dbeta).
+#    No atomics: bitwise deterministic.
+# 3. The apply kernel: ``out = (x - M) * Q + R [+ dy * P]`` with per-(i, c)
+#    coefficients (a scalar per NCHW row; per channels-last sample a vector,
+#    staged in SMEM once per CTA): y, or dx = rstd * (dy * gamma - c1 - xhat * c2).
+#
+# x (and dy) are read twice, where the Triton kernels read a segment that
+# fits their tile once. An NCHW segment of cg * HW elements often fits SMEM
+# (320 channels in 32 groups at 32x32: 40 KiB in float32): a fused kernel
+# holding a whole segment would read x once there (the next step).
+
+
+class _GroupRows:
+  """GroupNorm ``seg`` as rows for the row kernels.
+
+  NCHW ``(N, C, HW)``: ``N * C`` rows ``(i, c)`` of HW; a per-(i, c) quantity
+  is a scalar per row (``per_row``). Channels-last ``(N, HW, C)``: ``N * HW``
+  rows ``(i, hw)`` of C; a per-(i, c) quantity is a vector per sample, and the
+  sample is the rows' parameter group (``Segments.param_groups``), so no CTA
+  crosses samples.
+  """
+
+  def __init__(self, seg: common.Segments):
+    self.gn = seg
+    self.per_row = seg.chan_axis == 1
+    self.rows = common.Segments("rows", seg.n * seg.a, 1, seg.b, groups=1,
+                                param_groups=1 if self.per_row else seg.n)
+    self.spatial = seg.b if self.per_row else seg.a
+
+  def plans(self, itemsize: int, *, backward: bool, mask=(True, True, True), has_r: bool = True):
+    """``(sums plan, apply plan | None)``: the SMEM layouts of the two kernels' rows.
+
+    None when a row does not fit (a CTA holds a whole row).
+    """
+    h = self.rows.b
+    coefs = 0 if self.per_row else 1
+    sums = config.mosaic_gpu_plan(h, itemsize, backward=backward, inputs=1 + backward,
+                                  outputs=0, params=2 * backward * coefs,
+                                  partials=2 * (not self.per_row))
+    apply = None
+    if not backward or mask[0]:
+      apply = config.mosaic_gpu_plan(h, itemsize, backward=backward, inputs=1 + backward,
+                                     outputs=1, params=(2 + has_r + backward) * coefs,
+                                     partials=0)
+      if apply is None:
+        return None
+    return None if sums is None else (sums, apply)
+
+  def coef(self, a):
+    """A per-(i, c) ``(N, C)`` float32 array as a kernel operand (None stays None)."""
+    if a is None:
+      return None
+    return a.reshape(-1, 1) if self.per_row else a
+
+  def per_channel(self, launch, out):
+    """Per-(i, c) sums from the sums kernel's outputs: ``(N, C)`` float32."""
+    seg = self.gn
+    if self.per_row:
+      return out.reshape(seg.n, seg.channels)
+    return out.reshape(out.shape[:2] + (launch.plan.padded,))[..., :seg.channels]
+
+  def expand(self, a):
+    """``(N, G)`` -> ``(N, C)``: a per-group value for each of the group's channels."""
+    return jnp.repeat(a, self.gn.cg, axis=1)
+
+  def per_sample(self, p):
+    """``(W, C)`` parameters (None: ones) -> ``(N, C)`` float32, sample i's parameter row."""
+    seg = self.gn
+    if p is None:
+      return None
+    return jnp.repeat(p.astype(F32), seg.per_group, axis=0)
+
+
+def _ordered_sum(a, axis: int):
+  """``a`` summed over ``axis`` in index order (a sequential chain of adds).
+
+  XLA does not reassociate a chain of elementwise adds, so the result is
+  bitwise reproducible, unlike a ``reduce`` whose order is the compiler's.
+  """
+  a = jnp.moveaxis(a, axis, 0)
+  if a.shape[0] <= 16:
+    total = a[0]
+    for j in range(1, a.shape[0]):
+      total = total + a[j]
+    return total
+  return lax.fori_loop(1, a.shape[0], lambda j, acc: acc + a[j], a[0])
+
+
+def _coef_reader(launch, rows: _GroupRows, refs, buf, barrier, w):
+  """``(at_row(i), read(k))``: the coefficient refs' values of row i, chunk k (None where absent).
+
+  NCHW: scalars of row i (``at_row``; ``read`` returns them). Channels-last:
+  chunk k of sample w's vectors (``_params``: staged in SMEM or read from GMEM).
+  """
+  if rows.per_row:
+    state = {}
+
+    def at_row(i):
+      state["v"] = [None if r is None else r[i, 0] for r in refs]
+
+    return at_row, lambda k: state["v"]
+  return (lambda i: None), _params(launch, refs, buf, barrier, w)
+
+
+def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool):
+  """Per (sample, channel): moments forward, ``sum dy`` and ``sum dy * xhat`` backward.
+
+  NCHW: one row, reduced in SMEM, two scalars stored per row. Channels-last:
+  float32 column accumulators in SMEM across the CTA's rows of one sample,
+  stored once as its partial rows (forward: Welford's mean and M2, all of
+  the CTA's rows counting alike; backward: sums).
+  """
+  columns = not rows.per_row
+  staged = columns and launch.staged(2 * backward)
+  (x_ref, dy_ref, m_ref, s_ref, out0, out1, xs, dys, cs, accs, bar, cbar) = common.unpack(
+      refs, True, backward, backward, backward, True, True, True, backward, staged, columns,
+      True, staged)
+  w, p, start, end = launch.rows()
+  at_row, coefs = _coef_reader(launch, rows, (m_ref, s_ref), cs, cbar, w)
+  length = launch.seg.b
+  if columns:
+    zeros = jnp.zeros((launch.plan.width,), F32)
+
+    def clear(k, carry):
+      accs[0, k] = zeros
+      accs[1, k] = zeros
+      return carry
+
+    launch.loop(clear, 0)
+
+  def row(i, slot):
+    load = lambda k: xs[slot, k].astype(F32)
+    at_row(i)
+
+    def grads(k):  # padded columns: dy = 0
+      m, s = coefs(k)
+      dy = dys[slot, k].astype(F32)
+      return dy, dy * ((load(k) - m) * s)
+
+    if rows.per_row:
+      if backward:
+        a, b = launch.sum_chunks(grads)
+        out0[i, 0], out1[i, 0] = jnp.sum(a), jnp.sum(b)
+      else:
+        mean = jnp.sum(launch.sum_chunks(lambda k: (load(k),))[0]) / length
+
+        def square(k):
+          d = load(k) - mean
+          ok = launch.in_row(k)
+          d = d if ok is None else jnp.where(ok, d, 0.0)
+          return (d * d,)
+
+        out0[i, 0] = mean
+        out1[i, 0] = jnp.sum(launch.sum_chunks(square)[0])
+      return
+    if backward:
+      def add(k, carry):
+        a, b = grads(k)
+        accs[0, k] = accs[0, k] + a
+        accs[1, k] = accs[1, k] + b
+        return carry
+    else:
+      inv = 1.0 / lax.convert_element_type(i - start + 1, F32)
+
+      def add(k, carry):  # Welford: padded columns stay 0
+        x = load(k)
+        mean = accs[0, k]
+        d = x - mean
+        new = mean + d * inv
+        accs[0, k] = new
+        accs[1, k] = accs[1, k] + d * (x - new)
+        return carry
+
+    launch.loop(add, 0)
+
+  srcs = (x_ref, dy_ref) if backward else (x_ref,)
+  _stream(launch, srcs, (xs, dys) if backward else (xs,), bar, start, end, row)
+  plgpu = _compat.plgpu()
+  if columns:
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(accs.at[0], out0.at[w, p])
+    plgpu.copy_smem_to_gmem(accs.at[1], out1.at[w, p])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _gn_sums(rows: _GroupRows, plan, x, dy, m, s, *, interpret):
+  """The sums kernel: two ``(N, C)`` float32 arrays, and the CTAs' row counts (channels-last).
+
+  Channels-last returns the CTA partials ``(N, P, C)`` and their row counts ``(P,)``.
+  """
+  backward = dy is not None
+  launch = _Launch(rows.rows, plan, interpret)
+  staged = not rows.per_row and launch.staged(2 * backward)
+  view = lambda a: launch.view(a.reshape(rows.rows.n, rows.rows.b))
+  scratch = [launch.smem(plan.stages, x.dtype)]
+  if backward:
+    scratch.append(launch.smem(plan.stages, dy.dtype))
+  if staged:
+    scratch.append(launch.smem(2, F32))
+  if not rows.per_row:
+    scratch.append(launch.smem(2, F32))
+  scratch.append(_barrier(1 + backward, plan.stages))
+  if staged:
+    scratch.append(_barrier(2))
+  if rows.per_row:
+    out = jax.ShapeDtypeStruct((rows.rows.n, 1), F32)
+  else:
+    out = jax.ShapeDtypeStruct((rows.gn.n, launch.ctas, plan.chunks, plan.width), F32)
+  coef = (lambda a: rows.coef(a)) if rows.per_row else launch.view
+  a, b = launch.call(
+      functools.partial(_gn_sums_kernel, launch=launch, rows=rows, backward=backward),
+      [out, out], scratch, view(x), None if dy is None else view(dy),
+      None if m is None else coef(m), None if s is None else coef(s), interpret=interpret,
+      name="jax_normgrad_norm_bwd_sums" if backward else "jax_normgrad_norm_fwd_stats")
+  counts = [min(launch.per_cta, rows.spatial - p * launch.per_cta) for p in range(launch.ctas)]
+  return rows.per_channel(launch, a), rows.per_channel(launch, b), counts
+
+
+def _gn_apply_kernel(*refs, launch: _Launch, rows: _GroupRows, has_dy: bool, has_r: bool):
+  """``out = (x - M) * Q + R [+ dy * P]`` with per-(sample, channel) coefficients."""
+  columns = not rows.per_row
+  n_coef = 2 + has_r + has_dy
+  staged = columns and launch.staged(n_coef)
+  (x_ref, dy_ref, m_ref, q_ref, r_ref, p_ref, out_ref, xs, dys, outs, cs, bar, cbar) = (
+      common.unpack(refs, True, has_dy, True, True, has_r, has_dy, True, True, has_dy, True,
+                    staged, True, staged))
+  w, _, start, end = launch.rows()
+  at_row, coefs = _coef_reader(launch, rows, (m_ref, q_ref, r_ref, p_ref), cs, cbar, w)
+
+  def row(i, slot):
+    at_row(i)
+    _wait_output_slot(launch)
+
+    def write(k, carry):
+      m, q, r, p = coefs(k)
+      v = (xs[slot, k].astype(F32) - m) * q
+      if r is not None:
+        v = v + r
+      if p is not None:
+        v = v + dys[slot, k].astype(F32) * p
+      outs[slot, k] = v.astype(outs.dtype)
+      return carry
+
+    launch.loop(write, 0)
+    _store_row(launch, outs, slot, out_ref, i)
+
+  srcs = (x_ref, dy_ref) if has_dy else (x_ref,)
+  _stream(launch, srcs, (xs, dys) if has_dy else (xs,), bar, start, end, row)
+  _compat.plgpu().wait_smem_to_gmem(0)
+
+
+def _gn_apply(rows: _GroupRows, plan, x, dy, m, q, r, p, *, interpret):
+  """The apply kernel over x's rows (and dy's): a result like x."""
+  has_dy = dy is not None
+  launch = _Launch(rows.rows, plan, interpret)
+  n_coef = 2 + (r is not None) + has_dy
+  staged = not rows.per_row and launch.staged(n_coef)
+  view = lambda a: launch.view(a.reshape(rows.rows.n, rows.rows.b))
+  scratch = [launch.smem(plan.stages, x.dtype)]
+  if has_dy:
+    scratch.append(launch.smem(plan.stages, dy.dtype))
+  scratch.append(launch.smem(plan.stages, x.dtype))
+  if staged:
+    scratch.append(launch.smem(n_coef, F32))
+  scratch.append(_barrier(1 + has_dy, plan.stages))
+  if staged:
+    scratch.append(_barrier(n_coef))
+  coef = rows.coef if rows.per_row else launch.view
+  out, = launch.call(
+      functools.partial(_gn_apply_kernel, launch=launch, rows=rows, has_dy=has_dy,
+                        has_r=r is not None),
+      [jax.ShapeDtypeStruct((rows.rows.n, plan.chunks, plan.width), x.dtype)], scratch,
+      view(x), None if dy is None else view(dy), coef(m), coef(q),
+      None if r is None else coef(r), None if p is None else coef(p), interpret=interpret,
+      name="jax_normgrad_norm_bwd" if has_dy else "jax_normgrad_norm_fwd")
+  return launch.unview(out).reshape(x.shape)
+
+
+def _moments(rows: _GroupRows, a, b, counts):
+  """Per (i, c) ``(mean, M2)`` over the spatial axis from the sums kernel's forward outputs.
+
+  Channels-last: the CTA partials merged in CTA order (Chan's formula).
+  """
+  if rows.per_row:
+    return a, b
+  counts = jnp.asarray(counts, F32)
+
+  def merge(j, state):
+    n, mean, m2 = common.combine_moments(state, (counts[j], a[:, j], b[:, j]))
+    return n, mean, m2
+
+  _, mean, m2 = lax.fori_loop(1, a.shape[1], merge, (counts[0], a[:, 0], b[:, 0]))
+  return mean, m2
+
+
+def _group_forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
+  """GroupNorm ``(y, mean, rstd)``: sums, statistics in XLA, then y."""
+  rows = _GroupRows(seg)
+  has_r = bias is not None
+  sums_plan, apply_plan = rows.plans(x.dtype.itemsize, backward=False, has_r=has_r)
+  a, b, counts = _gn_sums(rows, sums_plan, x, None, None, None, interpret=interpret)
+  mean_c, m2_c = _moments(rows, a, b, counts)
+  # Groups: cg parts of equal count (HW) each, merged exactly.
+  shape = (seg.n, seg.groups, seg.cg)
+  mc = mean_c.reshape(shape)
+  mean = _ordered_sum(mc, 2) / seg.cg
+  m2 = _ordered_sum(m2_c.reshape(shape) + rows.spatial * jnp.square(mc - mean[..., None]), 2)
+  rstd = lax.rsqrt(m2 / seg.count + jnp.float32(eps))
+  q = rows.expand(rstd)
+  weight = rows.per_sample(weight)
+  if weight is not None:
+    q = q * weight
+  y = _gn_apply(rows, apply_plan, x, None, rows.expand(mean), q, rows.per_sample(bias), None,
+                interpret=interpret)
+  return y, mean, rstd
+
+
+def _group_backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret):
+  """GroupNorm ``(dx | None, dgamma | None, dbeta | None)``: sums, reductions in XLA, then dx."""
+  rows = _GroupRows(seg)
+  sums_plan, apply_plan = rows.plans(x.dtype.itemsize, backward=True, mask=mask)
+  m, s = rows.expand(mean), rows.expand(rstd)
+  s_dy, s_dyx, _ = _gn_sums(rows, sums_plan, x, dy, m, s, interpret=interpret)
+  if not rows.per_row:  # CTA partials, in CTA order
+    s_dy, s_dyx = _ordered_sum(s_dy, 1), _ordered_sum(s_dyx, 1)
+  per_group = lambda a: _ordered_sum(a.reshape(seg.param_groups, seg.per_group, -1), 1)
+  dgamma = per_group(s_dyx) if mask[1] else None
+  dbeta = per_group(s_dy) if mask[2] else None
+  dx = None
+  if mask[0]:
+    g = rows.per_sample(gamma)
+    s_g, s_gx = (s_dy, s_dyx) if g is None else (s_dy * g, s_dyx * g)
+    shape = (seg.n, seg.groups, seg.cg)
+    c1 = rows.expand(_ordered_sum(s_g.reshape(shape), 2) / seg.count)
+    c2 = rows.expand(_ordered_sum(s_gx.reshape(shape), 2) / seg.count)
+    # dx = rstd * (dy * gamma - c1 - xhat * c2), xhat = (x - mean) * rstd.
+    p = s if g is None else s * g
+    dx = _gn_apply(rows, apply_plan, x, dy, m, -(s * s * c2), -(s * c1), p, interpret=interpret)
+  return dx, dgamma, dbeta
