@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_normgrad as jn
+import cases
 from cases import DTYPES, GN_CASES, MASKS, random, rotate
 import reference_np as ref
 from tolerances import assert_close
@@ -33,6 +34,10 @@ class GroupNormOpTests:
       "channels_last": [False, True],
       "half_dtype": [jnp.bfloat16, jnp.float16],
   }
+  #: (N, C, HW, group) of test_output_mask, test_large_group_size and test_deterministic.
+  mask_shape = (3, 12, 35, 4)
+  large_group = (2, 9000, 3, 1)
+  deterministic_shape = (8, 64, 1024, 8)
 
   def test_forward(self, rng, dtype, shape, n, c, hw, group, channels_last):
     x, _, w, b = _inputs(rng, shape, c, dtype)
@@ -63,14 +68,14 @@ class GroupNormOpTests:
     assert_close(db, db_ref, dtype, n * hw, "grad_beta")
 
   def test_output_mask(self, rng, mask, channels_last):
-    n, c, hw, group = 3, 12, 35, 4
+    n, c, hw, group = self.mask_shape
     x, dy, w, _ = _inputs(rng, (n, c * hw), c, jnp.float32)
     _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group, 1e-5, channels_last)
     outs = jn.group_norm_backward(dy, x, mean.astype(np.float32), rstd.astype(np.float32), w,
                                   n, c, hw, group, mask, channels_last=channels_last,
                                   implementation=self.implementation)
     refs = ref.gn_bwd(dy, x, mean, rstd, w, n, c, hw, group, channels_last)
-    for out, expected, m, reduced in zip(outs, refs, mask, (105, 105, 105)):
+    for out, expected, m, reduced in zip(outs, refs, mask, (c // group * hw, n * hw, n * hw)):
       if m:
         assert_close(out, expected, jnp.float32, reduced)
       else:
@@ -121,17 +126,17 @@ class GroupNormOpTests:
 
   def test_large_group_size(self, rng):
     # C/group far above the vendor's 8000 limit.
-    n, c, hw, group = 2, 9000, 3, 1
+    n, c, hw, group = self.large_group
     x, dy, w, _ = _inputs(rng, (n, c, hw), c, jnp.float32)
     _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group)
     outs = jn.group_norm_backward(dy, x, mean.astype(np.float32), rstd.astype(np.float32), w,
                                   n, c, hw, group, implementation=self.implementation)
     refs = ref.gn_bwd(dy, x, mean, rstd, w, n, c, hw, group)
-    for out, e, r in zip(outs, refs, (27000, 6, 6)):
+    for out, e, r in zip(outs, refs, (c * hw, n * hw, n * hw)):
       assert_close(out, e, jnp.float32, r)
 
   def test_deterministic(self, rng, channels_last):
-    n, c, hw, group = 8, 64, 1024, 8
+    n, c, hw, group = self.deterministic_shape
     x, dy, w, _ = _inputs(rng, (n, c, hw), c, jnp.float32)
     _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group, 1e-5, channels_last)
     f = jax.jit(lambda dy, x, m, r, w: jn.group_norm_backward(
@@ -164,3 +169,40 @@ class TestGroupNormPallas(GroupNormOpTests):
       "channels_last,mask": rotate([(m,) for m in MASKS], [False, True]),
       **GroupNormOpTests.cases,
   }
+
+
+# Mosaic GPU: rows of more than one 256-wide chunk in both layouts (C = 300
+# channels-last, HW = 300 NCHW), and fewer rows than GN_CASES' largest.
+MOSAIC_GPU_CASES = [c for c in GN_CASES if c[0] not in ((4, 64, 9), (5, 96, 33))] + [
+    ((2, 4, 300), 2, 300, 4, 10, True),
+    ((2, 8, 300), 2, 8, 300, 2, False),
+]
+
+
+@cases.needs_mosaic_gpu
+class TestGroupNormMosaicGpu(GroupNormOpTests):
+  """The Mosaic GPU kernels in GPU interpret mode (CPU), rotated as TestGroupNormPallas.
+
+  The interpreter walks every row (NCHW rows are (sample, channel),
+  channels-last (sample, hw)), so the cases are few rows each: GN_CASES less
+  its two largest, plus two of two 256-wide chunks per row; smaller shapes
+  for the masks, the long group and determinism; the float32 result of a
+  16-bit x in NCHW only (the layers' channels-last lowering: test_pallas).
+  """
+
+  implementation = "mosaic_gpu"
+  cases = {
+      **TestGroupNormPallas.cases,
+      "dtype,with_gamma,shape,n,c,hw,group,channels_last": rotate(MOSAIC_GPU_CASES, DTYPES,
+                                                                    [True, False]),
+      "dtype,shape,n,c,hw,group,channels_last": rotate(MOSAIC_GPU_CASES, DTYPES),
+      "half_dtype": [jnp.bfloat16],
+      "channels_last": [False],
+  }
+  mask_shape = (2, 6, 10, 2)
+  large_group = (2, 40, 3, 1)
+  deterministic_shape = (2, 8, 12, 2)
+
+  def test_deterministic(self, rng):
+    for channels_last in (False, True):
+      super().test_deterministic(rng, channels_last)

@@ -1,4 +1,4 @@
-"""Pallas Mosaic GPU kernels (Hopper and newer, CUDA only): LayerNorm / RMSNorm rows.
+"""Pallas Mosaic GPU kernels (Hopper and newer, CUDA only): LayerNorm / RMSNorm rows, GroupNorm.
 
 Mosaic GPU is the Pallas GPU backend JAX keeps (the Triton one is deprecated
 from jax 0.11). It targets sm_90+ and runs one warpgroup (128 threads) per
@@ -30,9 +30,12 @@ What is not here yet (the Triton kernels have it):
   25K elements forward and 10K backward in float32, 51K and 14K in 16-bit
   types) are not chunked (a chunked design would stream the
   row twice, statistics then output, as the Triton kernels do, and keep the
-  parameter-gradient partials in registers per column chunk); GroupNorm has no
-  Mosaic GPU kernel. Both are refused when Mosaic GPU is forced and announced
-  (``FallbackWarning``) when it is only preferred (``JAX_NORMGRAD_GPU_BACKEND``).
+  parameter-gradient partials in registers per column chunk). Such rows are
+  refused when Mosaic GPU is forced and announced (``FallbackWarning``) when
+  it is only preferred (``JAX_NORMGRAD_GPU_BACKEND``).
+* GroupNorm (both layouts, below) reads x twice (sums, then the output) where
+  a segment would fit SMEM; its rows (HW in NCHW, C channels-last) have the
+  LayerNorm limits.
 * The register chunk is one SMEM row (2 elements per thread); wider chunks
   (several SMEM rows per load) would cut loop overhead.
 * Warp specialization (a producer warp issuing TMA, consumer warpgroups
