@@ -375,9 +375,6 @@ def test_forced_mosaic_gpu_raises_where_it_cannot_run():
   with pytest.raises(ValueError, match="the C of GroupNorm"):
     jax.export.export(jax.jit(gn), platforms=["cuda"])(_sds((2, 8, 70_000), F32),
                                                        _sds((70_000,), F32))
-  long = lambda x: jn.layer_norm(x, implementation="mosaic_gpu")
-  with pytest.raises(ValueError, match="do not fit"):
-    jax.export.export(jax.jit(long), platforms=["cuda"])(_sds((2, 100_000), F32))
 
 
 @needs_mosaic_gpu
@@ -406,3 +403,45 @@ def test_mosaic_gpu_single_stage_and_parameters_from_gmem(rng, smem_bytes, backw
                                     output_mask=(True, True, True), **kw)
     for name, out, expected in zip(("dx", "dweight", "dbias"), outs, refs):
       assert_close(out, expected, F32, h if name == "dx" else m, name)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("centered", [True, False])
+def test_mosaic_gpu_long_rows_in_pieces(rng, centered):
+  # A 6000-byte SMEM budget holds no 1000-long row: rows are cut in pieces
+  # (2 of 512 forward, the second masked to 488; 4 of 256 backward, the last
+  # 232 long), the statistics and c1, c2 merged over the pieces in XLA.
+  m, h = 5, 1000
+  x, dy = random(rng, (m, h), F32, scale=2.0, offset=0.5), random(rng, (m, h), F32)
+  w, b = random(rng, (1, h), F32, offset=1.0), random(rng, (1, h), F32)
+  kw = dict(centered=centered, param_groups=1)
+  mask = (True, True, True)
+  with config.override(mosaic_gpu_smem_bytes=6000):
+    assert config.mosaic_gpu_plan(h, 4, backward=False) is None
+    assert config.mosaic_gpu_pieces(h, 4, backward=False)[0] == 2
+    assert config.mosaic_gpu_pieces(h, 4, backward=True, params=1, outputs=1, partials=2)[0] == 4
+    y, *stats = jax.jit(lambda x, w, b: layer_norm_fwd_p.bind(
+        x, w, b, eps=1e-5, has_weight=True, has_bias=True, write_xhat=False, y_dtype=None,
+        implementation="mosaic_gpu", **kw))(x, w, b)
+    outs = jax.jit(lambda *a: layer_norm_bwd_p.bind(
+        *a, has_weight=True, output_mask=mask, normalized=False, write_xhat=False,
+        implementation="mosaic_gpu", **kw))(dy, x, *stats, w)
+  jax.clear_caches()
+  y_ref, *stats_ref = reference.layer_norm_fwd(x, w, b, eps=1e-5, **kw)
+  assert_close(y, y_ref, F32, h, "y")
+  for got, want in zip(stats, stats_ref):
+    assert_close(got, want, F32, h)
+  refs = reference.layer_norm_bwd(dy, x, *stats, w, has_weight=True, output_mask=mask, **kw)
+  for name, out, expected in zip(("dx", "dweight", "dbias"), outs, refs):
+    assert_close(out, expected, F32, h if name == "dx" else m, name)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16])
+def test_long_rows_lower_to_mosaic_gpu(dtype):
+  # 65536-wide rows: in pieces (8 of 8192 forward in float32, 12 of 5632 backward).
+  ln = lambda x, w, b: jn.layer_norm(x, w, b, implementation="mosaic_gpu")
+  h = 65536
+  text = _export_cuda(_grad_of(ln), (_sds((16, h), dtype), _sds((h,), dtype), _sds((h,), dtype)))
+  _assert_mosaic_gpu(text)
+  assert "jax_normgrad_norm_fwd_stats" in text and "jax_normgrad_norm_bwd_sums" in text

@@ -253,6 +253,28 @@ def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, o
   return None
 
 
+def mosaic_gpu_pieces(h: int, itemsize: int, *, backward: bool,
+                      **kwargs) -> tuple[int, MosaicGpuPlan] | None:
+  """Rows too long for ``mosaic_gpu_plan``: ``(pieces, plan)``, a row cut in pieces.
+
+  Each piece is ``plan.padded`` elements (a multiple of 256; the last piece
+  zero-padded); the fewest pieces whose plan is double-buffered with the
+  parameters in SMEM, else the fewest that fit at all. ``kwargs`` as for
+  ``mosaic_gpu_plan`` (the most demanding of the kernels that share the pieces).
+  """
+  fallback = None
+  for pieces in range(2, cdiv(h, 256) + 1):
+    length = _round_up(cdiv(h, pieces), 256)
+    pieces = cdiv(h, length)  # no empty last piece
+    plan = mosaic_gpu_plan(length, itemsize, backward=backward, **kwargs)
+    if plan is None:
+      continue
+    if plan.stages == 2 and plan.params_in_smem:
+      return pieces, plan
+    fallback = fallback or (pieces, plan)
+  return fallback
+
+
 def mosaic_gpu_ctas(plan: MosaicGpuPlan, *, interpret: bool) -> int:
   """Target number of persistent CTAs: as many per SM as their SMEM allows, up to the cap."""
   t = current()

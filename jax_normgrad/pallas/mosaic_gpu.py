@@ -24,18 +24,17 @@ Design (``config.mosaic_gpu_plan`` has the numbers):
   hidden sizes (multiples of 256). Padded columns are masked out of the
   variance; elsewhere their dy is 0 and contributes nothing.
 
-What is not here yet (the Triton kernels have it):
+Rows longer than SMEM holds (``mosaic_gpu_plan`` None beyond about 25K
+elements forward and 10K backward in float32, 51K and 14K in 16-bit types)
+are cut in pieces that fit (``config.mosaic_gpu_pieces``; "Long rows" below):
+x and dy are then read twice, statistics (or c1, c2) first.
 
-* Rows longer than fit SMEM (``mosaic_gpu_plan`` returns None beyond about
-  25K elements forward and 10K backward in float32, 51K and 14K in 16-bit
-  types) are not chunked (a chunked design would stream the
-  row twice, statistics then output, as the Triton kernels do, and keep the
-  parameter-gradient partials in registers per column chunk). Such rows are
-  refused when Mosaic GPU is forced and announced (``FallbackWarning``) when
-  it is only preferred (``JAX_NORMGRAD_GPU_BACKEND``).
-* GroupNorm (both layouts, below) reads x twice (sums, then the output) where
-  a segment would fit SMEM; its rows (HW in NCHW, C channels-last) have the
-  LayerNorm limits.
+GroupNorm, both layouts (below), is two passes over rows (per-channel sums,
+then the output), x read twice even where a segment would fit SMEM; its rows
+(HW in NCHW, C channels-last) must fit SMEM whole (not cut in pieces yet).
+
+Not here yet:
+
 * The register chunk is one SMEM row (2 elements per thread); wider chunks
   (several SMEM rows per load) would cut loop overhead.
 * Warp specialization (a producer warp issuing TMA, consumer warpgroups
@@ -73,27 +72,38 @@ def unsupported(seg: common.Segments, itemsize: int, *, backward: bool) -> str |
       return (f"rows of {seg.b} elements (the {'HW' if seg.chan_axis == 1 else 'C'} of GroupNorm) "
               f"do not fit the Mosaic GPU kernels' shared memory")
     return None
-  if config.mosaic_gpu_plan(seg.b, itemsize, backward=backward) is None:
-    return (f"rows of {seg.b} elements do not fit the Mosaic GPU kernels' shared memory "
-            f"(chunked long rows are not implemented yet)")
+  if (config.mosaic_gpu_plan(seg.b, itemsize, backward=backward) is None
+      and config.mosaic_gpu_pieces(seg.b, itemsize, backward=backward) is None):
+    return f"rows of {seg.b} elements are longer than the Mosaic GPU kernels' pieces allow"
   return None
 
 
 class _Launch:
   """Static geometry of one launch: CTAs per parameter group, their rows, the row view."""
 
-  def __init__(self, seg: common.Segments, plan: config.MosaicGpuPlan, interpret):
-    self.seg, self.plan, self.interpret = seg, plan, bool(interpret)
+  def __init__(self, seg: common.Segments, plan: config.MosaicGpuPlan, interpret, pieces=1):
+    self.seg, self.plan, self.interpret, self.pieces = seg, plan, bool(interpret), pieces
     target = config.mosaic_gpu_ctas(plan, interpret=self.interpret)
-    self.ctas, self.per_cta = config.split(seg.per_group, max(target // seg.param_groups, 1))
-    self.grid = (seg.param_groups * self.ctas,)
+    groups = seg.param_groups * pieces
+    self.ctas, self.per_cta = config.split(seg.per_group, max(target // groups, 1))
+    self.grid = (groups * self.ctas,)
 
   def rows(self):
-    """``(w, p, start, end)``: this CTA's parameter group, index and rows ``[start, end)``."""
+    """``(w, p, start, end)``: this CTA's parameter row, index and rows ``[start, end)``.
+
+    With ``pieces`` (long rows), ``w = group * pieces + piece``: the CTA
+    handles one piece of its rows, whose parameters are row w of the
+    parameters viewed as ``(W * pieces, chunks, width)`` (``piece(w)``).
+    """
     cta = lax.axis_index("cta")
     w, p = lax.div(cta, self.ctas), lax.rem(cta, self.ctas)
-    start = w * self.seg.per_group + p * self.per_cta
-    return w, p, start, jnp.minimum(start + self.per_cta, (w + 1) * self.seg.per_group)
+    group = w if self.pieces == 1 else lax.div(w, self.pieces)
+    start = group * self.seg.per_group + p * self.per_cta
+    return w, p, start, jnp.minimum(start + self.per_cta, (group + 1) * self.seg.per_group)
+
+  def piece(self, w):
+    """The piece of a row that CTA row ``w`` (from ``rows``) handles; None without pieces."""
+    return None if self.pieces == 1 else lax.rem(w, self.pieces)
 
   def view(self, a):
     """``(..., b)`` -> ``(..., chunks, width)``, zero-padded to a whole number of chunks."""
@@ -139,10 +149,14 @@ class _Launch:
     add = lambda k, acc: tuple(a + t for a, t in zip(acc, term(k)))
     return lax.fori_loop(1, self.plan.chunks, add, term(0))
 
-  def in_row(self, k):
-    """Mask of the chunk-k elements inside the (unpadded) row; None without padding."""
-    if self.plan.padded == self.seg.b:
+  def in_row(self, k, length=None):
+    """Mask of the chunk-k elements inside the (unpadded) row; None without padding.
+
+    ``length``: the row's valid length where it varies (a traced scalar).
+    """
+    if length is None and self.plan.padded == self.seg.b:
       return None
+    length = self.seg.b if length is None else length
     width = self.plan.width
     if self.interpret:  # GPU interpret mode has no rule for layout casts
       iota = lax.broadcasted_iota(jnp.int32, (width,), 0)
@@ -150,7 +164,7 @@ class _Launch:
       plgpu = _compat.plgpu()
       iota = plgpu.broadcasted_iota(jnp.int32, (width,), 0,
                                     layout=plgpu.Layout.WG_STRIDED((width,), width // 128))
-    return iota < self.seg.b - k * width
+    return iota < length - k * width
 
 
 def _barrier(arrivals, count=1):
@@ -185,8 +199,10 @@ def _params(launch, srcs, buf, barrier, w):
   return read
 
 
-def _stream(launch, srcs, bufs, barrier, start, end, body):
+def _stream(launch, srcs, bufs, barrier, start, end, body, piece=None):
   """Calls ``body(i, slot)`` for rows ``[start, end)`` with ``srcs[.][i]`` in ``bufs[.][slot]``.
+
+  ``piece``: the sources are ``(rows, pieces, chunks, width)``; ``[i, piece]`` is streamed.
 
   With two stages row ``i + 1`` is fetched by TMA while row ``i`` is
   computed; with one, after it. The slot being refilled was last read by the
@@ -198,7 +214,7 @@ def _stream(launch, srcs, bufs, barrier, start, end, body):
 
   def fetch(i, slot):
     for src, buf in zip(srcs, bufs):
-      plgpu.copy_gmem_to_smem(src.at[i], buf.at[slot], barrier.at[slot])
+      plgpu.copy_gmem_to_smem(_at(src, i, piece), buf.at[slot], barrier.at[slot])
 
   @pl.when(start < end)
   def _():
@@ -221,11 +237,16 @@ def _stream(launch, srcs, bufs, barrier, start, end, body):
   lax.fori_loop(start, end, row, 0)
 
 
-def _store_row(launch, buf, slot, dst, i):
+def _at(ref, i, piece):
+  """``ref.at[i]``, or ``ref.at[i, piece]`` for a piece of a long row."""
+  return ref.at[i] if piece is None else ref.at[i, piece]
+
+
+def _store_row(launch, buf, slot, dst, i, piece=None):
   """TMA-stores the output row in ``buf[slot]`` to ``dst[i]`` (waited for before reuse)."""
   plgpu = _compat.plgpu()
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(buf.at[slot], dst.at[i])
+  plgpu.copy_smem_to_gmem(buf.at[slot], _at(dst, i, piece))
 
 
 def _wait_output_slot(launch):
@@ -237,20 +258,28 @@ def _wait_output_slot(launch):
 # Forward: y, mean, rstd
 
 
-def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: bool):
-  """Per row: statistics from the row in SMEM (two passes, exact), then ``y`` to SMEM and HBM."""
+def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: bool,
+                given: bool = False):
+  """Per row: statistics from the row in SMEM (two passes, exact), then ``y`` to SMEM and HBM.
+
+  ``given``: the statistics are inputs (pieces of long rows, ``_long_forward``).
+  """
   seg = launch.seg
   staged = launch.staged(has_weight + has_bias)
-  (x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, xs, ys, ps, bar, pbar) = common.unpack(
-      refs, True, has_weight, has_bias, True, seg.centered, True, True, True, staged, True,
-      staged)
+  (x_ref, w_ref, b_ref, gmean_ref, grstd_ref, y_ref, mean_ref, rstd_ref, xs, ys, ps, bar,
+   pbar) = common.unpack(refs, True, has_weight, has_bias, given and seg.centered, given, True,
+                         not given and seg.centered, not given, True, True, staged, True, staged)
   w, _, start, end = launch.rows()
+  piece = launch.piece(w)
   params = _params(launch, (w_ref, b_ref), ps, pbar, w)
 
   def row(i, slot):
     xrow = xs.at[slot]
     load = lambda k: xrow[k].astype(F32)
-    if seg.centered:
+    if given:
+      mean = gmean_ref[i, 0] if seg.centered else None
+      rstd = grstd_ref[i, 0]
+    elif seg.centered:
       mean = jnp.sum(launch.sum_chunks(lambda k: (load(k),))[0]) / seg.b
 
       def square(k):
@@ -261,8 +290,9 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
     else:
       mean = None
       square = lambda k: (load(k) * load(k),)  # padding is 0
-    # lax.rsqrt: Mosaic GPU has no sqrt (common.inv_std).
-    rstd = lax.rsqrt(jnp.sum(launch.sum_chunks(square)[0]) / seg.b + jnp.float32(eps))
+    if not given:
+      # lax.rsqrt: Mosaic GPU has no sqrt (common.inv_std).
+      rstd = lax.rsqrt(jnp.sum(launch.sum_chunks(square)[0]) / seg.b + jnp.float32(eps))
     _wait_output_slot(launch)
 
     def write(k, carry):
@@ -272,12 +302,13 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
       return carry
 
     launch.loop(write, 0)
-    _store_row(launch, ys, slot, y_ref, i)
-    if seg.centered:
-      mean_ref[i, 0] = mean
-    rstd_ref[i, 0] = rstd
+    _store_row(launch, ys, slot, y_ref, i, piece)
+    if not given:
+      if seg.centered:
+        mean_ref[i, 0] = mean
+      rstd_ref[i, 0] = rstd
 
-  _stream(launch, (x_ref,), (xs,), bar, start, end, row)
+  _stream(launch, (x_ref,), (xs,), bar, start, end, row, piece)
   _compat.plgpu().wait_smem_to_gmem(0)
 
 
@@ -287,6 +318,8 @@ def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
     return _group_forward(x, weight, bias, seg=seg, eps=eps, interpret=interpret)
   plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=False,
                                 params=(weight is not None) + (bias is not None))
+  if plan is None:
+    return _long_forward(x, weight, bias, seg=seg, eps=eps, interpret=interpret)
   launch = _Launch(seg, plan, interpret)
   n_params = (weight is not None) + (bias is not None)
   rows = x.reshape(seg.n, seg.b)
@@ -311,19 +344,23 @@ def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
 # Backward: dx and the parameter gradients
 
 
-def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma: bool):
+def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma: bool,
+                given: bool = False):
   """Per row: ``c1``, ``c2`` from the row in SMEM, then dx and the partial sums in one pass.
 
   The partials of ``sum dy * xhat`` and ``sum dy`` live in SMEM (one row each,
   float32) across the CTA's rows and are stored once, as its partial row.
+  ``given``: c1, c2 are inputs (pieces of long rows, ``_long_backward``).
   """
   seg = launch.seg
   n_acc = mask[1] + mask[2]
-  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, dx_ref, dw_ref, db_ref,
+  given = given and mask[0]
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref, dx_ref, dw_ref, db_ref,
    xs, dys, dxs, gs, accs, bar, pbar) = common.unpack(
-       refs, True, True, seg.centered, True, has_gamma, *mask, True, True, mask[0],
-       launch.staged(has_gamma), n_acc > 0, True, launch.staged(has_gamma))
+       refs, True, True, seg.centered, True, has_gamma, given and seg.centered, given, *mask,
+       True, True, mask[0], launch.staged(has_gamma), n_acc > 0, True, launch.staged(has_gamma))
   w, p, start, end = launch.rows()
+  piece = launch.piece(w)
   params = _params(launch, (gamma_ref,), gs, pbar, w)
   width = launch.plan.width
   zeros = jnp.zeros((width,), F32)
@@ -344,7 +381,11 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
       xhat, g = common.xhat_and_g(xs[slot, k].astype(F32), dy, mean, rstd, gamma)
       return dy, xhat, g  # padded columns: dy = g = 0
 
-    if mask[0]:
+    if given:
+      c1 = c1_ref[i, 0] if seg.centered else None
+      c2 = c2_ref[i, 0]
+      _wait_output_slot(launch)
+    elif mask[0]:
       def means(k):
         _, xhat, g = tile(k)
         return (g, g * xhat)
@@ -364,9 +405,9 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
 
     launch.loop(chunk, 0)
     if mask[0]:
-      _store_row(launch, dxs, slot, dx_ref, i)
+      _store_row(launch, dxs, slot, dx_ref, i, piece)
 
-  _stream(launch, (x_ref, dy_ref), (xs, dys), bar, start, end, row)
+  _stream(launch, (x_ref, dy_ref), (xs, dys), bar, start, end, row, piece)
   plgpu = _compat.plgpu()
   if n_acc:
     plgpu.commit_smem()
@@ -383,6 +424,8 @@ def backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret)
   n_acc = mask[1] + mask[2]
   plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=True, params=int(has_gamma),
                                 outputs=int(mask[0]), partials=n_acc)
+  if plan is None:
+    return _long_backward(dy, x, mean, rstd, gamma, seg=seg, mask=mask, interpret=interpret)
   launch = _Launch(seg, plan, interpret)
   view = lambda a: launch.view(a.reshape(seg.n, seg.b))
   scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, dy.dtype)]
@@ -536,19 +579,26 @@ def _coef_reader(launch, rows: _GroupRows, refs, buf, barrier, w):
   return (lambda i: None), _params(launch, refs, buf, barrier, w)
 
 
-def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool):
+def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
+                    pieces: int = 1, tail: int = 0, param_rows: int | None = None):
   """Per (sample, channel): moments forward, ``sum dy`` and ``sum dy * xhat`` backward.
 
   NCHW: one row, reduced in SMEM, two scalars stored per row. Channels-last:
   float32 column accumulators in SMEM across the CTA's rows of one sample,
   stored once as its partial rows (forward: Welford's mean and M2, all of
   the CTA's rows counting alike; backward: sums).
+
+  Also the pieces of long LayerNorm rows (``pieces`` rows per data row, the
+  last ``tail`` long; per row): the moments of each piece, or (with the
+  parameter rows ``param_rows``, ``(W * pieces, chunks, width)`` read from
+  GMEM) ``sum g`` and ``sum g * xhat``, ``g = dy * gamma``.
   """
   columns = not rows.per_row
+  has_gamma = param_rows is not None
   staged = columns and launch.staged(2 * backward)
-  (x_ref, dy_ref, m_ref, s_ref, out0, out1, xs, dys, cs, accs, bar, cbar) = common.unpack(
-      refs, True, backward, backward, backward, True, True, True, backward, staged, columns,
-      True, staged)
+  (x_ref, dy_ref, m_ref, s_ref, g_ref, out0, out1, xs, dys, cs, accs, bar, cbar) = common.unpack(
+      refs, True, backward, backward, backward, has_gamma, True, True, True, backward, staged,
+      columns, True, staged)
   w, p, start, end = launch.rows()
   at_row, coefs = _coef_reader(launch, rows, (m_ref, s_ref), cs, cbar, w)
   length = launch.seg.b
@@ -566,9 +616,15 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool):
     load = lambda k: xs[slot, k].astype(F32)
     at_row(i)
 
+    if has_gamma:  # the parameter row of this piece
+      q = lax.div(i, pieces)
+      gamma_row = lax.div(q, param_rows) * pieces + (i - q * pieces)
+
     def grads(k):  # padded columns: dy = 0
       m, s = coefs(k)
       dy = dys[slot, k].astype(F32)
+      if has_gamma:
+        dy = dy * g_ref[gamma_row, k]
       return dy, dy * ((load(k) - m) * s)
 
     if rows.per_row:
@@ -576,11 +632,16 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool):
         a, b = launch.sum_chunks(grads)
         out0[i, 0], out1[i, 0] = jnp.sum(a), jnp.sum(b)
       else:
-        mean = jnp.sum(launch.sum_chunks(lambda k: (load(k),))[0]) / length
+        valid = None
+        if pieces > 1 and tail != length:
+          last = lax.rem(i, pieces) == pieces - 1
+          valid = jnp.where(last, jnp.int32(tail), jnp.int32(length))
+        count = length if valid is None else lax.convert_element_type(valid, F32)
+        mean = jnp.sum(launch.sum_chunks(lambda k: (load(k),))[0]) / count
 
         def square(k):
           d = load(k) - mean
-          ok = launch.in_row(k)
+          ok = launch.in_row(k, valid)
           d = d if ok is None else jnp.where(ok, d, 0.0)
           return (d * d,)
 
@@ -771,3 +832,152 @@ def _group_backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, int
     p = s if g is None else s * g
     dx = _gn_apply(rows, apply_plan, x, dy, m, -(s * s * c2), -(s * c1), p, interpret=interpret)
   return dx, dgamma, dbeta
+
+
+# ----------------------------------------------------------------------------
+# Long LayerNorm / RMSNorm rows: pieces, statistics through XLA.
+#
+# A row longer than SMEM holds (``mosaic_gpu_plan`` None) is cut into
+# ``pieces`` pieces of ``plan.padded`` elements (the last one zero-padded),
+# each a row to the kernels, the parameters of piece j being columns
+# ``[j * L, (j + 1) * L)``; x (and dy) are read twice:
+#
+# * forward: the moments of each piece (the GroupNorm sums kernel, the last
+#   piece's count masked), merged over the pieces in order (Chan) in XLA,
+#   then the row kernel with these statistics given writes y;
+# * backward: ``sum g`` and ``sum g * xhat`` of each piece, summed over the
+#   pieces in order in XLA (c1, c2), then the row kernel with c1, c2 given
+#   writes dx and its float32 partials per (parameter row, piece, CTA).
+
+
+class _PieceRows:
+  """The pieces of long rows as the rows of the sums kernel (one scalar pair per piece)."""
+
+  per_row = True
+
+  def __init__(self, seg: common.Segments, pieces: int, length: int):
+    self.rows = common.Segments("rows", seg.n * pieces, 1, length, groups=1, param_groups=1)
+    self.spatial = length
+
+  def coef(self, a):
+    return None if a is None else jnp.repeat(a.reshape(-1), self.rows.n // a.size).reshape(-1, 1)
+
+
+def _pieces(a, pieces, plan):
+  """``(rows, h)`` -> ``(rows, pieces, chunks, width)``, zero-padded."""
+  pad = pieces * plan.padded - a.shape[-1]
+  if pad:
+    a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+  return a.reshape(a.shape[0], pieces, plan.chunks, plan.width)
+
+
+def _piece_sums(seg, pieces, plan, x4, dy4, mean, rstd, gamma4, *, interpret):
+  """The sums kernel over the pieces: two ``(rows, pieces)`` float32 arrays."""
+  rows = _PieceRows(seg, pieces, plan.padded)
+  backward = dy4 is not None
+  launch = _Launch(rows.rows, plan, interpret)
+  flat = lambda a: None if a is None else a.reshape(rows.rows.n, plan.chunks, plan.width)
+  scratch = [launch.smem(plan.stages, x4.dtype)]
+  if backward:
+    scratch.append(launch.smem(plan.stages, dy4.dtype))
+  scratch.append(_barrier(1 + backward, plan.stages))
+  out = jax.ShapeDtypeStruct((rows.rows.n, 1), F32)
+  gamma = None if gamma4 is None else gamma4.reshape(-1, plan.chunks, plan.width)
+  kernel = functools.partial(_gn_sums_kernel, launch=launch, rows=rows, backward=backward,
+                             pieces=pieces, tail=seg.b - (pieces - 1) * plan.padded,
+                             param_rows=None if gamma is None else seg.per_group)
+  a, b = launch.call(kernel, [out, out], scratch, flat(x4), flat(dy4), rows.coef(mean),
+                     rows.coef(rstd), gamma, interpret=interpret,
+                     name="jax_normgrad_norm_bwd_sums" if backward else "jax_normgrad_norm_fwd_stats")
+  return a.reshape(seg.n, pieces), b.reshape(seg.n, pieces)
+
+
+def _long_forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
+  """``(y, mean | None, rstd)`` of rows too long for one CTA's SMEM."""
+  n_params = (weight is not None) + (bias is not None)
+  pieces, plan = config.mosaic_gpu_pieces(seg.b, x.dtype.itemsize, backward=False,
+                                          params=n_params)
+  length = plan.padded
+  x4 = _pieces(x.reshape(seg.n, seg.b), pieces, plan)
+  sums_plan = config.mosaic_gpu_plan(length, x.dtype.itemsize, backward=False, params=0,
+                                     outputs=0)
+  means, m2s = _piece_sums(seg, pieces, sums_plan, x4, None, None, None, None,
+                           interpret=interpret)
+  counts = [float(length)] * (pieces - 1) + [float(seg.b - (pieces - 1) * length)]
+  if seg.centered:
+    state = (counts[0], means[:, 0], m2s[:, 0])
+    for j in range(1, pieces):  # Chan's merge, in piece order
+      state = common.combine_moments(state, (counts[j], means[:, j], m2s[:, j]))
+    mean, m2 = state[1], state[2]
+  else:  # the sum of squares: M2 + n * mean^2 per piece
+    mean, m2 = None, _ordered_sum(m2s + jnp.asarray(counts, F32) * means * means, 1)
+  rstd = lax.rsqrt(m2 / seg.b + jnp.float32(eps))
+  stats = [a.reshape(seg.n, 1) for a in (mean, rstd) if a is not None]
+  launch = _Launch(seg, plan, interpret, pieces=pieces)
+  params = [None if a is None else _pieces(a, pieces, plan).reshape(-1, plan.chunks, plan.width)
+            for a in (weight, bias)]
+  scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, x.dtype)]
+  if launch.staged(n_params):
+    scratch.append(launch.smem(n_params, F32))
+  scratch.append(_barrier(1, plan.stages))
+  if launch.staged(n_params):
+    scratch.append(_barrier(n_params))
+  kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps, has_weight=weight is not None,
+                             has_bias=bias is not None, given=True)
+  y, = launch.call(kernel, [jax.ShapeDtypeStruct(x4.shape, x.dtype)], scratch, x4, *params,
+                   *stats, interpret=interpret, name="jax_normgrad_norm_fwd")
+  y = y.reshape(seg.n, pieces * length)[:, :seg.b].reshape(x.shape)
+  return y, (stats[0] if seg.centered else None), stats[-1]
+
+
+def _long_backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret):
+  """``(dx | None, dgamma | None, dbeta | None)`` of rows too long for one CTA's SMEM."""
+  has_gamma = gamma is not None
+  n_acc = mask[1] + mask[2]
+  pieces, plan = config.mosaic_gpu_pieces(seg.b, x.dtype.itemsize, backward=True,
+                                          params=int(has_gamma), outputs=int(mask[0]),
+                                          partials=n_acc)
+  length = plan.padded
+  x4 = _pieces(x.reshape(seg.n, seg.b), pieces, plan)
+  dy4 = _pieces(dy.reshape(seg.n, seg.b), pieces, plan)
+  gamma4 = None if gamma is None else _pieces(gamma, pieces, plan)
+  cs = []
+  if mask[0]:
+    sums_plan = config.mosaic_gpu_plan(length, x.dtype.itemsize, backward=True, params=0,
+                                       outputs=0, partials=0)
+    m = mean if seg.centered else jnp.zeros_like(rstd)
+    s1, s2 = _piece_sums(seg, pieces, sums_plan, x4, dy4, m, rstd, gamma4, interpret=interpret)
+    if seg.centered:
+      cs.append((_ordered_sum(s1, 1) / seg.b).reshape(seg.n, 1))
+    cs.append((_ordered_sum(s2, 1) / seg.b).reshape(seg.n, 1))
+  launch = _Launch(seg, plan, interpret, pieces=pieces)
+  scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, dy.dtype)]
+  if mask[0]:
+    scratch.append(launch.smem(plan.stages, x.dtype))
+  if launch.staged(has_gamma):
+    scratch.append(launch.smem(1, F32))
+  if n_acc:
+    scratch.append(launch.smem(n_acc, F32))
+  scratch.append(_barrier(2, plan.stages))
+  if launch.staged(has_gamma):
+    scratch.append(_barrier(1))
+  groups = seg.param_groups * pieces
+  partial = jax.ShapeDtypeStruct((groups, launch.ctas, plan.chunks, plan.width), F32)
+  out_shape = ([jax.ShapeDtypeStruct(x4.shape, x.dtype)] if mask[0] else []) + [partial] * n_acc
+  outs = list(launch.call(
+      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_gamma=has_gamma, given=True),
+      out_shape, scratch, dy4, x4, mean, rstd,
+      None if gamma4 is None else gamma4.reshape(-1, plan.chunks, plan.width), *cs,
+      interpret=interpret, name="jax_normgrad_norm_bwd"))
+  dx = None
+  if mask[0]:
+    dx = outs.pop(0).reshape(seg.n, pieces * length)[:, :seg.b].reshape(x.shape)
+  sums = []
+  for want in mask[1:]:
+    if not want:
+      sums.append(None)
+      continue
+    part = outs.pop(0).reshape(seg.param_groups, pieces, launch.ctas, length)
+    part = jnp.moveaxis(part, 1, 2).reshape(seg.param_groups, launch.ctas, pieces * length)
+    sums.append(common.sum_partials(part[..., :seg.b]))
+  return (dx, *sums)
