@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,8 @@ class GroupNormOpTests:
   }
   #: (N, C, HW, group) of test_output_mask, test_large_group_size and test_deterministic.
   mask_shape = (3, 12, 35, 4)
+  #: (N, C, spatial, group) of test_activation.
+  activation_shape = (3, 24, (5, 7), 6)
   large_group = (2, 9000, 3, 1)
   deterministic_shape = (8, 64, 1024, 8)
 
@@ -136,8 +140,8 @@ class GroupNormOpTests:
     multiple of a vector) and parameters that push z across 0.
     """
     channels_last = act_layout
-    n, c, spatial, group = 3, 24, (5, 7), 6
-    hw = 35
+    n, c, spatial, group = self.activation_shape
+    hw = math.prod(spatial)
     shape = (n,) + spatial + (c,) if channels_last else (n, c) + spatial
     x, dy, w, b = _inputs(rng, shape, c, act_dtype, param_dtype=jnp.float32,
                           with_params=with_params)
@@ -227,7 +231,8 @@ class TestGroupNormMosaicGpu(GroupNormOpTests):
   channels-last (sample, hw)), so the cases are few rows each: GN_CASES less
   its two largest, plus two of two 256-wide chunks per row; smaller shapes
   for the masks, the long group and determinism; the float32 result of a
-  16-bit x in NCHW only (the layers' channels-last lowering: test_pallas).
+  16-bit x in NCHW only (the layers' channels-last lowering: test_pallas);
+  each activation once, the layout and the presence of parameters varying.
   """
 
   implementation = "mosaic_gpu"
@@ -238,8 +243,12 @@ class TestGroupNormMosaicGpu(GroupNormOpTests):
       "dtype,shape,n,c,hw,group,channels_last": rotate(MOSAIC_GPU_CASES, DTYPES),
       "half_dtype": [jnp.bfloat16],
       "channels_last": [False],
+      "activation,act_dtype,with_params,act_layout": [
+          ("silu", jnp.float32, True, False), ("gelu", jnp.bfloat16, True, True),
+          ("relu", jnp.float32, False, True)],
   }
   mask_shape = (2, 6, 10, 2)
+  activation_shape = (2, 12, (2, 5), 3)
   large_group = (2, 40, 3, 1)
   deterministic_shape = (2, 8, 12, 2)
 

@@ -309,12 +309,13 @@ def test_rms_norm_and_vmap_lower_to_mosaic_gpu():
 
 
 @needs_mosaic_gpu
-@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype,activation", [(F32, None), (jnp.bfloat16, "silu")])
 @pytest.mark.parametrize("shape,axis", [((8, 32, 32, 320), -1), ((8, 320, 32, 32), 1)])
-def test_group_norm_grad_lowers_to_mosaic_gpu(dtype, shape, axis):
-  # A UNet block's GroupNorm (32 groups of 10 channels, 32x32), both layouts: every
-  # kernel (sums and apply, forward and backward) is a Mosaic GPU one, none Triton.
-  gn = lambda x, w, b: jn.group_norm(x, 32, w, b, channel_axis=axis, implementation="mosaic_gpu")
+def test_group_norm_grad_lowers_to_mosaic_gpu(dtype, activation, shape, axis):
+  # A UNet block's GroupNorm (32 groups of 10 channels, 32x32; + SiLU), both layouts:
+  # every kernel (sums and apply, forward and backward) is a Mosaic GPU one, none Triton.
+  gn = lambda x, w, b: jn.group_norm(x, 32, w, b, channel_axis=axis, activation=activation,
+                                     implementation="mosaic_gpu")
   text = _export_cuda(_grad_of(gn), (_sds(shape, dtype), _sds((320,), dtype),
                                      _sds((320,), dtype)))
   _assert_mosaic_gpu(text)

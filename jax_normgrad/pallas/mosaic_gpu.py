@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_normgrad import _compat
+from jax_normgrad import _activations, _compat
 from jax_normgrad.pallas import common, config
 
 F32 = jnp.float32
@@ -416,10 +416,14 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   plgpu.wait_smem_to_gmem(0)
 
 
-def backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret):
-  """``(dx | None, dgamma | None, dbeta | None)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``common.backward``."""
+def backward(dy, x, mean, rstd, gamma, beta=None, *, seg: common.Segments, mask, interpret):
+  """``(dx | None, dgamma | None, dbeta | None)`` of LayerNorm / RMSNorm rows or GroupNorm.
+
+  See ``common.backward``; ``beta`` only with GroupNorm's fused activation.
+  """
   if seg.kind != "rows":
-    return _group_backward(dy, x, mean, rstd, gamma, seg=seg, mask=mask, interpret=interpret)
+    return _group_backward(dy, x, mean, rstd, gamma, beta, seg=seg, mask=mask,
+                           interpret=interpret)
   has_gamma = gamma is not None
   n_acc = mask[1] + mask[2]
   plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=True, params=int(has_gamma),
@@ -507,18 +511,21 @@ class _GroupRows:
   def plans(self, itemsize: int, *, backward: bool, mask=(True, True, True), has_r: bool = True):
     """``(sums plan, apply plan | None)``: the SMEM layouts of the two kernels' rows.
 
-    None when a row does not fit (a CTA holds a whole row).
+    None when a row does not fit (a CTA holds a whole row). Channels-last
+    counts the coefficient rows staged in SMEM (the activation's gamma, beta
+    and rstd backward at most).
     """
     h = self.rows.b
     coefs = 0 if self.per_row else 1
+    act = 2 if backward and self.gn.activation is not None else 0
     sums = config.mosaic_gpu_plan(h, itemsize, backward=backward, inputs=1 + backward,
-                                  outputs=0, params=2 * backward * coefs,
+                                  outputs=0, params=(2 + act) * backward * coefs,
                                   partials=2 * (not self.per_row))
     apply = None
     if not backward or mask[0]:
       apply = config.mosaic_gpu_plan(h, itemsize, backward=backward, inputs=1 + backward,
-                                     outputs=1, params=(2 + has_r + backward) * coefs,
-                                     partials=0)
+                                     outputs=1, params=(2 + has_r + backward + act + bool(act))
+                                     * coefs, partials=0)
       if apply is None:
         return None
     return None if sums is None else (sums, apply)
@@ -580,7 +587,8 @@ def _coef_reader(launch, rows: _GroupRows, refs, buf, barrier, w):
 
 
 def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
-                    pieces: int = 1, tail: int = 0, param_rows: int | None = None):
+                    pieces: int = 1, tail: int = 0, param_rows: int | None = None,
+                    activation: str | None = None, act_params: tuple[bool, bool] = (False, False)):
   """Per (sample, channel): moments forward, ``sum dy`` and ``sum dy * xhat`` backward.
 
   NCHW: one row, reduced in SMEM, two scalars stored per row. Channels-last:
@@ -592,15 +600,20 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
   last ``tail`` long; per row): the moments of each piece, or (with the
   parameter rows ``param_rows``, ``(W * pieces, chunks, width)`` read from
   GMEM) ``sum g`` and ``sum g * xhat``, ``g = dy * gamma``.
+
+  GroupNorm's fused ``activation``: dy is first ``dy * act'(z)``,
+  ``z = xhat * gamma + beta`` with the per-(i, c) gamma and beta coefficients
+  present as ``act_params`` says.
   """
   columns = not rows.per_row
   has_gamma = param_rows is not None
-  staged = columns and launch.staged(2 * backward)
-  (x_ref, dy_ref, m_ref, s_ref, g_ref, out0, out1, xs, dys, cs, accs, bar, cbar) = common.unpack(
-      refs, True, backward, backward, backward, has_gamma, True, True, True, backward, staged,
-      columns, True, staged)
+  n_coef = (2 + sum(act_params)) * backward
+  staged = columns and launch.staged(n_coef)
+  (x_ref, dy_ref, m_ref, s_ref, ag_ref, ab_ref, g_ref, out0, out1, xs, dys, cs, accs, bar,
+   cbar) = common.unpack(refs, True, backward, backward, backward, act_params[0], act_params[1],
+                         has_gamma, True, True, True, backward, staged, columns, True, staged)
   w, p, start, end = launch.rows()
-  at_row, coefs = _coef_reader(launch, rows, (m_ref, s_ref), cs, cbar, w)
+  at_row, coefs = _coef_reader(launch, rows, (m_ref, s_ref, ag_ref, ab_ref), cs, cbar, w)
   length = launch.seg.b
   if columns:
     zeros = jnp.zeros((launch.plan.width,), F32)
@@ -621,11 +634,13 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
       gamma_row = lax.div(q, param_rows) * pieces + (i - q * pieces)
 
     def grads(k):  # padded columns: dy = 0
-      m, s = coefs(k)
+      m, s, ag, ab = coefs(k)
       dy = dys[slot, k].astype(F32)
+      xhat = (load(k) - m) * s
+      dy = _pre_activation(dy, xhat, ag, ab, activation)
       if has_gamma:
         dy = dy * g_ref[gamma_row, k]
-      return dy, dy * ((load(k) - m) * s)
+      return dy, dy * xhat
 
     if rows.per_row:
       if backward:
@@ -678,61 +693,89 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
   plgpu.wait_smem_to_gmem(0)
 
 
-def _gn_sums(rows: _GroupRows, plan, x, dy, m, s, *, interpret):
+def _pre_activation(dy, xhat, gamma, beta, activation):
+  """``dy * act'(xhat * gamma + beta)`` (``common.pre_activation_grad``); dy without activation."""
+  if activation is None:
+    return dy
+  z = xhat if gamma is None else xhat * gamma
+  if beta is not None:
+    z = z + beta
+  return dy * _activations.grad(z, activation)
+
+
+def _gn_sums(rows: _GroupRows, plan, x, dy, m, s, *, interpret, activation=None, ag=None,
+             ab=None):
   """The sums kernel: two ``(N, C)`` float32 arrays, and the CTAs' row counts (channels-last).
 
   Channels-last returns the CTA partials ``(N, P, C)`` and their row counts ``(P,)``.
+  ``activation``, ``ag``, ``ab``: GroupNorm's fused activation and its per-(i, c) gamma, beta.
   """
   backward = dy is not None
   launch = _Launch(rows.rows, plan, interpret)
-  staged = not rows.per_row and launch.staged(2 * backward)
+  n_coef = (2 + (ag is not None) + (ab is not None)) * backward
+  staged = not rows.per_row and launch.staged(n_coef)
   view = lambda a: launch.view(a.reshape(rows.rows.n, rows.rows.b))
   scratch = [launch.smem(plan.stages, x.dtype)]
   if backward:
     scratch.append(launch.smem(plan.stages, dy.dtype))
   if staged:
-    scratch.append(launch.smem(2, F32))
+    scratch.append(launch.smem(n_coef, F32))
   if not rows.per_row:
     scratch.append(launch.smem(2, F32))
   scratch.append(_barrier(1 + backward, plan.stages))
   if staged:
-    scratch.append(_barrier(2))
+    scratch.append(_barrier(n_coef))
   if rows.per_row:
     out = jax.ShapeDtypeStruct((rows.rows.n, 1), F32)
   else:
     out = jax.ShapeDtypeStruct((rows.gn.n, launch.ctas, plan.chunks, plan.width), F32)
-  coef = (lambda a: rows.coef(a)) if rows.per_row else launch.view
+  coef = rows.coef if rows.per_row else launch.view
+  kernel = functools.partial(_gn_sums_kernel, launch=launch, rows=rows, backward=backward,
+                             activation=activation, act_params=(ag is not None, ab is not None))
   a, b = launch.call(
-      functools.partial(_gn_sums_kernel, launch=launch, rows=rows, backward=backward),
-      [out, out], scratch, view(x), None if dy is None else view(dy),
-      None if m is None else coef(m), None if s is None else coef(s), interpret=interpret,
+      kernel, [out, out], scratch, view(x), None if dy is None else view(dy),
+      *(coef(a) for a in (m, s, ag, ab)), interpret=interpret,
       name="jax_normgrad_norm_bwd_sums" if backward else "jax_normgrad_norm_fwd_stats")
   counts = [min(launch.per_cta, rows.spatial - p * launch.per_cta) for p in range(launch.ctas)]
   return rows.per_channel(launch, a), rows.per_channel(launch, b), counts
 
 
-def _gn_apply_kernel(*refs, launch: _Launch, rows: _GroupRows, has_dy: bool, has_r: bool):
-  """``out = (x - M) * Q + R [+ dy * P]`` with per-(sample, channel) coefficients."""
+def _gn_apply_kernel(*refs, launch: _Launch, rows: _GroupRows, has_dy: bool, has_r: bool,
+                     activation: str | None = None, act_params: tuple[bool, bool, bool] = (
+                         False, False, False)):
+  """``out = (x - M) * Q + R [+ dy * P]`` with per-(sample, channel) coefficients.
+
+  With an ``activation``: forward, ``act`` of that; backward, dy is first
+  ``dy * act'(z)``, ``z = (x - M) * S * G + B`` (``act_params``: which of S,
+  G, B are operands; S, rstd, is whenever dy is).
+  """
   columns = not rows.per_row
-  n_coef = 2 + has_r + has_dy
+  n_coef = 2 + has_r + has_dy + sum(act_params)
   staged = columns and launch.staged(n_coef)
-  (x_ref, dy_ref, m_ref, q_ref, r_ref, p_ref, out_ref, xs, dys, outs, cs, bar, cbar) = (
-      common.unpack(refs, True, has_dy, True, True, has_r, has_dy, True, True, has_dy, True,
-                    staged, True, staged))
+  (x_ref, dy_ref, m_ref, q_ref, r_ref, p_ref, s_ref, ag_ref, ab_ref, out_ref, xs, dys, outs, cs,
+   bar, cbar) = common.unpack(refs, True, has_dy, True, True, has_r, has_dy, *act_params, True,
+                              True, has_dy, True, staged, True, staged)
   w, _, start, end = launch.rows()
-  at_row, coefs = _coef_reader(launch, rows, (m_ref, q_ref, r_ref, p_ref), cs, cbar, w)
+  at_row, coefs = _coef_reader(launch, rows, (m_ref, q_ref, r_ref, p_ref, s_ref, ag_ref, ab_ref),
+                               cs, cbar, w)
 
   def row(i, slot):
     at_row(i)
     _wait_output_slot(launch)
 
     def write(k, carry):
-      m, q, r, p = coefs(k)
-      v = (xs[slot, k].astype(F32) - m) * q
+      m, q, r, p, s, ag, ab = coefs(k)
+      x = xs[slot, k].astype(F32)
+      v = (x - m) * q
       if r is not None:
         v = v + r
       if p is not None:
-        v = v + dys[slot, k].astype(F32) * p
+        dy = dys[slot, k].astype(F32)
+        if activation is not None:
+          dy = _pre_activation(dy, (x - m) * s, ag, ab, activation)
+        v = v + dy * p
+      elif activation is not None:
+        v = _activations.apply(v, activation)
       outs[slot, k] = v.astype(outs.dtype)
       return carry
 
@@ -744,11 +787,16 @@ def _gn_apply_kernel(*refs, launch: _Launch, rows: _GroupRows, has_dy: bool, has
   _compat.plgpu().wait_smem_to_gmem(0)
 
 
-def _gn_apply(rows: _GroupRows, plan, x, dy, m, q, r, p, *, interpret):
-  """The apply kernel over x's rows (and dy's): a result like x."""
+def _gn_apply(rows: _GroupRows, plan, x, dy, m, q, r, p, *, interpret, activation=None,
+              act=(None, None, None)):
+  """The apply kernel over x's rows (and dy's): a result like x.
+
+  ``act``: the per-(i, c) rstd, gamma, beta of the backward's activation.
+  """
   has_dy = dy is not None
   launch = _Launch(rows.rows, plan, interpret)
-  n_coef = 2 + (r is not None) + has_dy
+  act_params = tuple(a is not None for a in act)
+  n_coef = 2 + (r is not None) + has_dy + sum(act_params)
   staged = not rows.per_row and launch.staged(n_coef)
   view = lambda a: launch.view(a.reshape(rows.rows.n, rows.rows.b))
   scratch = [launch.smem(plan.stages, x.dtype)]
@@ -763,11 +811,10 @@ def _gn_apply(rows: _GroupRows, plan, x, dy, m, q, r, p, *, interpret):
   coef = rows.coef if rows.per_row else launch.view
   out, = launch.call(
       functools.partial(_gn_apply_kernel, launch=launch, rows=rows, has_dy=has_dy,
-                        has_r=r is not None),
+                        has_r=r is not None, activation=activation, act_params=act_params),
       [jax.ShapeDtypeStruct((rows.rows.n, plan.chunks, plan.width), x.dtype)], scratch,
-      view(x), None if dy is None else view(dy), coef(m), coef(q),
-      None if r is None else coef(r), None if p is None else coef(p), interpret=interpret,
-      name="jax_normgrad_norm_bwd" if has_dy else "jax_normgrad_norm_fwd")
+      view(x), None if dy is None else view(dy), *(coef(a) for a in (m, q, r, p) + tuple(act)),
+      interpret=interpret, name="jax_normgrad_norm_bwd" if has_dy else "jax_normgrad_norm_fwd")
   return launch.unview(out).reshape(x.shape)
 
 
@@ -806,16 +853,26 @@ def _group_forward(x, weight, bias, *, seg: common.Segments, eps: float, interpr
   if weight is not None:
     q = q * weight
   y = _gn_apply(rows, apply_plan, x, None, rows.expand(mean), q, rows.per_sample(bias), None,
-                interpret=interpret)
+                interpret=interpret, activation=seg.activation)
   return y, mean, rstd
 
 
-def _group_backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret):
-  """GroupNorm ``(dx | None, dgamma | None, dbeta | None)``: sums, reductions in XLA, then dx."""
+def _group_backward(dy, x, mean, rstd, gamma, beta, *, seg: common.Segments, mask, interpret):
+  """GroupNorm ``(dx | None, dgamma | None, dbeta | None)``: sums, reductions in XLA, then dx.
+
+  With a fused activation both kernels take dy as ``dy * act'(z)``, z
+  recomputed from x and the per-(i, c) rstd, gamma, beta; dgamma and dbeta
+  are then of z's cotangent, as the primitive defines them.
+  """
   rows = _GroupRows(seg)
   sums_plan, apply_plan = rows.plans(x.dtype.itemsize, backward=True, mask=mask)
   m, s = rows.expand(mean), rows.expand(rstd)
-  s_dy, s_dyx, _ = _gn_sums(rows, sums_plan, x, dy, m, s, interpret=interpret)
+  activation = seg.activation
+  ag = ab = None
+  if activation is not None:
+    ag, ab = rows.per_sample(gamma), rows.per_sample(beta)
+  s_dy, s_dyx, _ = _gn_sums(rows, sums_plan, x, dy, m, s, interpret=interpret,
+                            activation=activation, ag=ag, ab=ab)
   if not rows.per_row:  # CTA partials, in CTA order
     s_dy, s_dyx = _ordered_sum(s_dy, 1), _ordered_sum(s_dyx, 1)
   per_group = lambda a: _ordered_sum(a.reshape(seg.param_groups, seg.per_group, -1), 1)
@@ -830,7 +887,9 @@ def _group_backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, int
     c2 = rows.expand(_ordered_sum(s_gx.reshape(shape), 2) / seg.count)
     # dx = rstd * (dy * gamma - c1 - xhat * c2), xhat = (x - mean) * rstd.
     p = s if g is None else s * g
-    dx = _gn_apply(rows, apply_plan, x, dy, m, -(s * s * c2), -(s * c1), p, interpret=interpret)
+    act = (s, ag, ab) if activation is not None else (None, None, None)
+    dx = _gn_apply(rows, apply_plan, x, dy, m, -(s * s * c2), -(s * c1), p, interpret=interpret,
+                   activation=activation, act=act)
   return dx, dgamma, dbeta
 
 
