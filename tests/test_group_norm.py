@@ -230,9 +230,8 @@ class TestGroupNormMosaicGpu(GroupNormOpTests):
   The interpreter walks every row (NCHW rows are (sample, channel),
   channels-last (sample, hw)), so the cases are few rows each: GN_CASES less
   its two largest, plus two of two 256-wide chunks per row; smaller shapes
-  for the masks, the long group and determinism; the float32 result of a
-  16-bit x in NCHW only (the layers' channels-last lowering: test_pallas);
-  each activation once, the layout and the presence of parameters varying.
+  for the masks, the long group and determinism (channels-last); each
+  activation once, the layout and the presence of parameters varying.
   """
 
   implementation = "mosaic_gpu"
@@ -242,7 +241,6 @@ class TestGroupNormMosaicGpu(GroupNormOpTests):
                                                                     [True, False]),
       "dtype,shape,n,c,hw,group,channels_last": rotate(MOSAIC_GPU_CASES, DTYPES),
       "half_dtype": [jnp.bfloat16],
-      "channels_last": [False],
       "activation,act_dtype,with_params,act_layout": [
           ("silu", jnp.float32, True, False), ("gelu", jnp.bfloat16, True, True),
           ("relu", jnp.float32, False, True)],
@@ -252,6 +250,9 @@ class TestGroupNormMosaicGpu(GroupNormOpTests):
   large_group = (2, 40, 3, 1)
   deterministic_shape = (2, 8, 12, 2)
 
+  # The float32 y of a 16-bit x is a conversion before the kernels (common.forward),
+  # tested on the Mosaic GPU kernels by TestLayerNormMosaicGpu.
+  test_layer_float32_result_of_half_x = None
+
   def test_deterministic(self, rng):
-    for channels_last in (False, True):
-      super().test_deterministic(rng, channels_last)
+    super().test_deterministic(rng, True)  # channels-last: CTA partials and their merge
