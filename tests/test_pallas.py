@@ -448,3 +448,30 @@ def test_long_rows_lower_to_mosaic_gpu(dtype):
   text = _export_cuda(_grad_of(ln), (_sds((16, h), dtype), _sds((h,), dtype), _sds((h,), dtype)))
   _assert_mosaic_gpu(text)
   assert "jax_normgrad_norm_fwd_stats" in text and "jax_normgrad_norm_bwd_sums" in text
+
+
+@needs_mosaic_gpu
+def test_mosaic_gpu_group_norm_long_rows_in_pieces(rng):
+  # NCHW rows (HW = 600) that a 6000-byte SMEM budget does not hold: 3 pieces of 256
+  # (the last 88 long, masked), merged per channel in XLA; with SiLU fused.
+  shape, c = (2, 3, 20, 30), 3
+  x, ct = random(rng, shape, F32, scale=2.0, offset=0.5), random(rng, shape, F32)
+  w, b = random(rng, (c,), F32, offset=1.0), random(rng, (c,), F32)
+  outs = {}
+  for impl in ("mosaic_gpu", "xla"):
+    layer = lambda x, w, b, impl=impl: jn.group_norm(x, 3, w, b, activation="silu",
+                                                     implementation=impl)
+    with config.override(mosaic_gpu_smem_bytes=6000):
+      y, vjp = jax.vjp(jax.jit(layer), x, w, b)
+      outs[impl] = (y,) + vjp(ct)
+  jax.clear_caches()
+  for name, got, want in zip(("y", "dx", "dweight", "dbias"), outs["mosaic_gpu"], outs["xla"]):
+    assert_close(got, want, F32, 600, name)
+
+
+@needs_mosaic_gpu
+def test_long_group_norm_rows_lower_to_mosaic_gpu():
+  # A VAE decoder's GroupNorm at 512x512 (NCHW, HW = 262144 per channel row): in pieces.
+  gn = lambda x, w, b: jn.group_norm(x, 32, w, b, activation="silu", implementation="mosaic_gpu")
+  _assert_mosaic_gpu(_export_cuda(_grad_of(gn), (_sds((1, 128, 512, 512), jnp.bfloat16),
+                                                 _sds((128,), F32), _sds((128,), F32))))

@@ -30,8 +30,9 @@ are cut in pieces that fit (``config.mosaic_gpu_pieces``; "Long rows" below):
 x and dy are then read twice, statistics (or c1, c2) first.
 
 GroupNorm, both layouts (below), is two passes over rows (per-channel sums,
-then the output), x read twice even where a segment would fit SMEM; its rows
-(HW in NCHW, C channels-last) must fit SMEM whole (not cut in pieces yet).
+then the output), x read twice even where a segment would fit SMEM. NCHW rows
+(HW) longer than SMEM holds are cut in pieces too; channels-last rows (C) must
+fit SMEM whole (C beyond about 25K channels falls back to Triton).
 
 Not here yet:
 
@@ -499,14 +500,26 @@ class _GroupRows:
   rows ``(i, hw)`` of C; a per-(i, c) quantity is a vector per sample, and the
   sample is the rows' parameter group (``Segments.param_groups``), so no CTA
   crosses samples.
+
+  NCHW rows longer than SMEM holds are cut in ``pieces`` (``plans``), each a
+  row of its own with its (i, c)'s coefficients; the per-piece sums are
+  merged in piece order in XLA (``per_channel``).
   """
 
   def __init__(self, seg: common.Segments):
     self.gn = seg
     self.per_row = seg.chan_axis == 1
+    self.pieces = 1
     self.rows = common.Segments("rows", seg.n * seg.a, 1, seg.b, groups=1,
                                 param_groups=1 if self.per_row else seg.n)
     self.spatial = seg.b if self.per_row else seg.a
+
+  def _cut(self, pieces: int, length: int):
+    seg = self.gn
+    self.pieces = pieces
+    self.rows = common.Segments("rows", seg.n * seg.a * pieces, 1, length, groups=1,
+                                param_groups=1)
+    self.tail = seg.b - (pieces - 1) * length
 
   def plans(self, itemsize: int, *, backward: bool, mask=(True, True, True), has_r: bool = True):
     """``(sums plan, apply plan | None)``: the SMEM layouts of the two kernels' rows.
@@ -518,30 +531,56 @@ class _GroupRows:
     h = self.rows.b
     coefs = 0 if self.per_row else 1
     act = 2 if backward and self.gn.activation is not None else 0
-    sums = config.mosaic_gpu_plan(h, itemsize, backward=backward, inputs=1 + backward,
-                                  outputs=0, params=(2 + act) * backward * coefs,
-                                  partials=2 * (not self.per_row))
-    apply = None
+    sums_kw = dict(backward=backward, inputs=1 + backward, outputs=0,
+                   params=(2 + act) * backward * coefs, partials=2 * (not self.per_row))
+    apply_kw = None
     if not backward or mask[0]:
-      apply = config.mosaic_gpu_plan(h, itemsize, backward=backward, inputs=1 + backward,
-                                     outputs=1, params=(2 + has_r + backward + act + bool(act))
-                                     * coefs, partials=0)
-      if apply is None:
-        return None
-    return None if sums is None else (sums, apply)
+      apply_kw = dict(backward=backward, inputs=1 + backward, outputs=1,
+                      params=(2 + has_r + backward + act + bool(act)) * coefs, partials=0)
+    sums = config.mosaic_gpu_plan(h, itemsize, **sums_kw)
+    apply = apply_kw and config.mosaic_gpu_plan(h, itemsize, **apply_kw)
+    if sums is not None and (apply is not None or apply_kw is None):
+      return sums, apply
+    if not self.per_row:
+      return None
+    cut = config.mosaic_gpu_pieces(h, itemsize, **(apply_kw or sums_kw))
+    if cut is None:
+      return None
+    pieces, plan = cut
+    self._cut(pieces, plan.padded)
+    sums = config.mosaic_gpu_plan(plan.padded, itemsize, **sums_kw)
+    return sums, (plan if apply_kw else None)
 
   def coef(self, a):
     """A per-(i, c) ``(N, C)`` float32 array as a kernel operand (None stays None)."""
     if a is None:
       return None
-    return a.reshape(-1, 1) if self.per_row else a
+    if not self.per_row:
+      return a
+    a = a.reshape(-1)
+    return (a if self.pieces == 1 else jnp.repeat(a, self.pieces)).reshape(-1, 1)
+
+  def rows_of(self, a):
+    """x or dy ``(N, a, b)`` as the kernels' rows ``(rows, length)`` (pieces zero-padded)."""
+    a = a.reshape(-1, self.gn.b)
+    pad = self.pieces * self.rows.b - self.gn.b
+    if pad:
+      a = jnp.pad(a, [(0, 0), (0, pad)])
+    return a.reshape(self.rows.n, self.rows.b)
 
   def per_channel(self, launch, out):
-    """Per-(i, c) sums from the sums kernel's outputs: ``(N, C)`` float32."""
+    """Per-(i, c) sums from the sums kernel's outputs: ``(N, C)`` float32.
+
+    ``(N, C, pieces)`` for NCHW rows in pieces (merged by the caller).
+    """
     seg = self.gn
     if self.per_row:
-      return out.reshape(seg.n, seg.channels)
+      return out.reshape((seg.n, seg.channels) + ((self.pieces,) if self.pieces > 1 else ()))
     return out.reshape(out.shape[:2] + (launch.plan.padded,))[..., :seg.channels]
+
+  def counts(self):
+    """Elements of each piece of an NCHW row (the last one is short)."""
+    return [float(self.rows.b)] * (self.pieces - 1) + [float(self.tail)]
 
   def expand(self, a):
     """``(N, G)`` -> ``(N, C)``: a per-group value for each of the group's channels."""
@@ -714,7 +753,7 @@ def _gn_sums(rows: _GroupRows, plan, x, dy, m, s, *, interpret, activation=None,
   launch = _Launch(rows.rows, plan, interpret)
   n_coef = (2 + (ag is not None) + (ab is not None)) * backward
   staged = not rows.per_row and launch.staged(n_coef)
-  view = lambda a: launch.view(a.reshape(rows.rows.n, rows.rows.b))
+  view = lambda a: launch.view(rows.rows_of(a))
   scratch = [launch.smem(plan.stages, x.dtype)]
   if backward:
     scratch.append(launch.smem(plan.stages, dy.dtype))
@@ -731,7 +770,8 @@ def _gn_sums(rows: _GroupRows, plan, x, dy, m, s, *, interpret, activation=None,
     out = jax.ShapeDtypeStruct((rows.gn.n, launch.ctas, plan.chunks, plan.width), F32)
   coef = rows.coef if rows.per_row else launch.view
   kernel = functools.partial(_gn_sums_kernel, launch=launch, rows=rows, backward=backward,
-                             activation=activation, act_params=(ag is not None, ab is not None))
+                             activation=activation, act_params=(ag is not None, ab is not None),
+                             pieces=rows.pieces, tail=getattr(rows, "tail", 0))
   a, b = launch.call(
       kernel, [out, out], scratch, view(x), None if dy is None else view(dy),
       *(coef(a) for a in (m, s, ag, ab)), interpret=interpret,
@@ -798,7 +838,7 @@ def _gn_apply(rows: _GroupRows, plan, x, dy, m, q, r, p, *, interpret, activatio
   act_params = tuple(a is not None for a in act)
   n_coef = 2 + (r is not None) + has_dy + sum(act_params)
   staged = not rows.per_row and launch.staged(n_coef)
-  view = lambda a: launch.view(a.reshape(rows.rows.n, rows.rows.b))
+  view = lambda a: launch.view(rows.rows_of(a))
   scratch = [launch.smem(plan.stages, x.dtype)]
   if has_dy:
     scratch.append(launch.smem(plan.stages, dy.dtype))
@@ -815,16 +855,24 @@ def _gn_apply(rows: _GroupRows, plan, x, dy, m, q, r, p, *, interpret, activatio
       [jax.ShapeDtypeStruct((rows.rows.n, plan.chunks, plan.width), x.dtype)], scratch,
       view(x), None if dy is None else view(dy), *(coef(a) for a in (m, q, r, p) + tuple(act)),
       interpret=interpret, name="jax_normgrad_norm_bwd" if has_dy else "jax_normgrad_norm_fwd")
-  return launch.unview(out).reshape(x.shape)
+  out = out.reshape(-1, rows.pieces * plan.padded)[:, :rows.gn.b]
+  return out.reshape(x.shape)
 
 
 def _moments(rows: _GroupRows, a, b, counts):
   """Per (i, c) ``(mean, M2)`` over the spatial axis from the sums kernel's forward outputs.
 
-  Channels-last: the CTA partials merged in CTA order (Chan's formula).
+  Channels-last: the CTA partials merged in CTA order (Chan's formula); NCHW
+  rows in pieces: the pieces, in order.
   """
   if rows.per_row:
-    return a, b
+    if rows.pieces == 1:
+      return a, b
+    counts = rows.counts()
+    state = (counts[0], a[..., 0], b[..., 0])
+    for j in range(1, rows.pieces):
+      state = common.combine_moments(state, (counts[j], a[..., j], b[..., j]))
+    return state[1], state[2]
   counts = jnp.asarray(counts, F32)
 
   def merge(j, state):
@@ -875,6 +923,8 @@ def _group_backward(dy, x, mean, rstd, gamma, beta, *, seg: common.Segments, mas
                             activation=activation, ag=ag, ab=ab)
   if not rows.per_row:  # CTA partials, in CTA order
     s_dy, s_dyx = _ordered_sum(s_dy, 1), _ordered_sum(s_dyx, 1)
+  elif rows.pieces > 1:  # pieces, in order
+    s_dy, s_dyx = _ordered_sum(s_dy, 2), _ordered_sum(s_dyx, 2)
   per_group = lambda a: _ordered_sum(a.reshape(seg.param_groups, seg.per_group, -1), 1)
   dgamma = per_group(s_dyx) if mask[1] else None
   dbeta = per_group(s_dy) if mask[2] else None
