@@ -610,19 +610,18 @@ def _ordered_sum(a, axis: int):
 
 
 def _coef_reader(launch, rows: _GroupRows, refs, buf, barrier, w):
-  """``(at_row(i), read(k))``: the coefficient refs' values of row i, chunk k (None where absent).
+  """``at_row(i)`` -> ``read(k)``: the coefficient refs' values for row i, chunk k (None where absent).
 
-  NCHW: scalars of row i (``at_row``; ``read`` returns them). Channels-last:
-  chunk k of sample w's vectors (``_params``: staged in SMEM or read from GMEM).
+  NCHW: the scalars of row i, loaded once per row. Channels-last: chunk k of
+  sample w's vectors (``_params``: staged in SMEM or read from GMEM).
   """
   if rows.per_row:
-    state = {}
-
     def at_row(i):
-      state["v"] = [None if r is None else r[i, 0] for r in refs]
-
-    return at_row, lambda k: state["v"]
-  return (lambda i: None), _params(launch, refs, buf, barrier, w)
+      values = [None if r is None else r[i, 0] for r in refs]
+      return lambda k: values
+    return at_row
+  read = _params(launch, refs, buf, barrier, w)
+  return lambda i: read
 
 
 def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
@@ -652,7 +651,7 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
    cbar) = common.unpack(refs, True, backward, backward, backward, act_params[0], act_params[1],
                          has_gamma, True, True, True, backward, staged, columns, True, staged)
   w, p, start, end = launch.rows()
-  at_row, coefs = _coef_reader(launch, rows, (m_ref, s_ref, ag_ref, ab_ref), cs, cbar, w)
+  at_row = _coef_reader(launch, rows, (m_ref, s_ref, ag_ref, ab_ref), cs, cbar, w)
   length = launch.seg.b
   if columns:
     zeros = jnp.zeros((launch.plan.width,), F32)
@@ -666,7 +665,7 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
 
   def row(i, slot):
     load = lambda k: xs[slot, k].astype(F32)
-    at_row(i)
+    coefs = at_row(i)
 
     if has_gamma:  # the parameter row of this piece
       q = lax.div(i, pieces)
@@ -796,11 +795,11 @@ def _gn_apply_kernel(*refs, launch: _Launch, rows: _GroupRows, has_dy: bool, has
    bar, cbar) = common.unpack(refs, True, has_dy, True, True, has_r, has_dy, *act_params, True,
                               True, has_dy, True, staged, True, staged)
   w, _, start, end = launch.rows()
-  at_row, coefs = _coef_reader(launch, rows, (m_ref, q_ref, r_ref, p_ref, s_ref, ag_ref, ab_ref),
-                               cs, cbar, w)
+  at_row = _coef_reader(launch, rows, (m_ref, q_ref, r_ref, p_ref, s_ref, ag_ref, ab_ref), cs,
+                        cbar, w)
 
   def row(i, slot):
-    at_row(i)
+    coefs = at_row(i)
     _wait_output_slot(launch)
 
     def write(k, carry):
