@@ -440,11 +440,11 @@ def test_mosaic_gpu_long_rows_in_pieces(rng, centered):
 
 
 @needs_mosaic_gpu
-@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16])
-def test_long_rows_lower_to_mosaic_gpu(dtype):
-  # 65536-wide rows: in pieces (8 of 8192 forward in float32, 12 of 5632 backward).
+@pytest.mark.parametrize("dtype,h", [(F32, 65536), (jnp.bfloat16, 65536), (F32, 70001)])
+def test_long_rows_lower_to_mosaic_gpu(dtype, h):
+  # Rows in pieces: 65536 in float32 is 8 of 8192 forward, 12 of 5632 backward;
+  # 70001 leaves a short, masked last piece (9 of 7936 forward, the last 6513).
   ln = lambda x, w, b: jn.layer_norm(x, w, b, implementation="mosaic_gpu")
-  h = 65536
   text = _export_cuda(_grad_of(ln), (_sds((16, h), dtype), _sds((h,), dtype), _sds((h,), dtype)))
   _assert_mosaic_gpu(text)
   assert "jax_normgrad_norm_fwd_stats" in text and "jax_normgrad_norm_bwd_sums" in text
