@@ -96,9 +96,11 @@ _SHARED_DOC = """
   ``residual_dtype=float32`` (flash-attn's ``residual_in_fp32``) makes both
   exact. It writes one gradient, ``dy``'s contribution plus the incoming
   cotangent of ``h``, which is the gradient of both ``x`` and ``residual``
-  (returned in each one's dtype), plus the parameter gradients. On CPU the
-  forward is one pass (read x and residual, write h and y) and the backward
-  one pass of the LayerNorm kernels; works under ``jit``, ``vmap`` (batched
+  (returned in each one's dtype), plus the parameter gradients. The forward
+  is one kernel pass (read x and residual, write h and y) and the backward
+  one pass of the LayerNorm kernels (dh added in its output pass), on CPU
+  (FFI) and in the Pallas Triton and TPU kernels (the Mosaic GPU backend
+  still adds around its kernels, announced with a FallbackWarning); works under ``jit``, ``vmap`` (batched
   residual, per-example weights), sharded ``jit`` / ``shard_map`` (rows
   sharded) and ``grad(grad)`` as :func:`jax_normgrad.layer_norm`.
 """
