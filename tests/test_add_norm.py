@@ -198,6 +198,14 @@ class TestAddNormDefault(AddNormTests):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, r, w, b).as_text()
     assert text.count('jax_normgrad_layer_norm_fwd') == 1
     assert text.count('jax_normgrad_layer_norm_bwd') == 1
+    # A zero cotangent stays symbolic: an unread h (the last block's) adds no dh operand (no
+    # tensor of zeros written and read); an unread y runs no backward kernel, dh passes through.
+    y_only = lambda x, r: jnp.sum(jn.add_layer_norm(x, r)[0])
+    text = jax.jit(jax.grad(y_only, argnums=(0, 1))).lower(x, r).as_text()
+    assert "has_dh = false" in text and "has_dh = true" not in text
+    h_only = lambda x, r: jnp.sum(jn.add_layer_norm(x, r)[1] ** 2)
+    assert 'jax_normgrad_layer_norm_bwd' not in jax.jit(jax.grad(h_only)).lower(x, r).as_text()
+    np.testing.assert_array_equal(jax.grad(h_only, argnums=1)(x, r), 2 * (x + r))
     # add_rms_norm: the same kernels (centered=False).
     text = jax.jit(lambda x, r: jn.add_rms_norm(x, r)).lower(x, r).as_text()
     assert 'jax_normgrad_layer_norm_fwd' in text and 'stablehlo.add' not in text
