@@ -12,7 +12,7 @@ import pytest
 
 import jax_normgrad as jn
 from jax_normgrad.pallas import config, gpu as pallas_gpu, tpu as pallas_tpu
-from cases import export_for, random, rotate
+from cases import export_for, needs_mosaic_gpu, random, rotate
 import reference_np as ref
 from tolerances import assert_close
 
@@ -409,3 +409,23 @@ class TestAddNormDropins:
       layer = cls(32, residual_dtype=F32, dtype=BF16, param_dtype=BF16, rngs=nnx.Rngs(0))
       y, h = layer(x.astype(BF16), r.astype(BF16))
       assert y.dtype == BF16 and h.dtype == F32
+
+
+@needs_mosaic_gpu
+def test_mosaic_gpu_adds_around_its_kernels_announced(rng):
+  """The Mosaic GPU kernels do not fuse the residual yet: the adds run as XLA fusions around
+  them, on float32 copies (same numbers as the reference), with a FallbackWarning."""
+  from jax_normgrad import _implementation
+  _implementation._warn_once.cache_clear()
+  x, r, w, b = _inputs(rng, (8, 128), (128,), "wb", BF16, None)
+  dy, dh = random(rng, x.shape, BF16), random(rng, x.shape, BF16)
+
+  def run(impl):
+    (y, h), vjp = jax.vjp(lambda *a: jn.add_layer_norm(*a, implementation=impl), x, r, w, b)
+    return (y, h) + vjp((dy, dh))
+
+  with pytest.warns(jn.FallbackWarning, match="mosaic_gpu kernels do not fuse the residual add"):
+    got = run("mosaic_gpu")
+  for a, c in zip(got, run("xla")):
+    np.testing.assert_allclose(np.asarray(a.astype(F32)), np.asarray(c.astype(F32)),
+                               rtol=2e-2, atol=2e-2)
