@@ -15,10 +15,18 @@
 //   dgamma[c] = sum_n rstd[n,g] ds[n,c],  dbeta[c] = sum_n db[n,c]  (n ascending),
 // and written as dx = a[c] dy - b - k (x - mean) with a = rstd gamma[c],
 // b = rstd mean(g), k = rstd^2 mean(g xhat): one FMA chain per element.
+//
+// A fused activation (the `activation` attribute, activation.h): the forward
+// writes y = act(z), z = xhat gamma[c] + beta[c], and the backward reads the
+// cotangent of act(z) and uses dz = dy act'(z) in place of dy above, with z
+// recomputed from x, the statistics, gamma and beta, so z is never stored.
+// The kernels take the activation as a template argument: without one they
+// compile to exactly the plain loops.
 #include <cmath>
 #include <utility>
 #include <vector>
 
+#include "activation.h"
 #include "kernels.h"
 #include "moments.h"
 #include "simd.h"
@@ -135,7 +143,7 @@ void BwdCoefficients(const GnShape& s, const float* rstd, const float* gamma, co
   }
 }
 
-template <typename T, typename Ty>
+template <int64_t A, typename T, typename Ty>
 void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
                       const float* b, float eps, Ty* y, float* mean, float* rstd, bool stream_y) {
   const int64_t D = s.D(), blocks = s.N * s.G;
@@ -170,7 +178,7 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
         const bool stream = StreamRow(stream_y, yc);
         ForRowWide(yc, s.HW, [&](auto tag, int64_t j) {
           if (prefetch) PrefetchLine(tag, xc + D + j);
-          StOut(tag, yc + j, (Ld(tag, xc + j) - mu) * a + bb, stream);
+          StOut(tag, yc + j, Act<A>((Ld(tag, xc + j) - mu) * a + bb), stream);
         });
       }
     }
@@ -345,7 +353,7 @@ void StatsNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, float eps, f
 // where y is unused, as it drops jnp code. One call for both measured no
 // faster: the statistics need the whole sample before y's first element,
 // and an L3 re-read of x costs about what a memory read does here.
-template <typename T, typename Ty>
+template <int64_t A, typename T, typename Ty>
 void GroupNormApplyNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* mean,
                         const float* rstd, const float* w, const float* b, Ty* y, bool stream_y) {
   const size_t nc = static_cast<size_t>(s.N * s.C);
@@ -370,7 +378,8 @@ void GroupNormApplyNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, con
       Ty* yr = y + (n * s.HW + hw) * s.C;
       const bool stream = StreamRow(stream_y, yr);
       ForRowWide(yr, s.C, [&](auto tag, int64_t c) {
-        StOut(tag, yr + c, (Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c),
+        StOut(tag, yr + c,
+              Act<A>((Ld(tag, xr + c) - Ld(tag, mu + c)) * Ld(tag, a + c) + Ld(tag, bb + c)),
               stream);
       });
     }
@@ -378,20 +387,20 @@ void GroupNormApplyNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, con
 }
 
 // Channels-last forward: the statistics, then y unless y == nullptr.
-template <typename T, typename Ty>
+template <int64_t A, typename T, typename Ty>
 void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
                       const float* b, float eps, Ty* y, float* mean, float* rstd, bool stream_y) {
   StatsNHWC(pool, s, x, eps, mean, rstd);
-  if (y) GroupNormApplyNHWC(pool, s, x, mean, rstd, w, b, y, stream_y);
+  if (y) GroupNormApplyNHWC<A>(pool, s, x, mean, rstd, w, b, y, stream_y);
 }
 
 // Fills db[n*C + c] = sum_hw dy and ds[n*C + c] = sum_hw dy * (x - mean[n, g]),
 // and, when dx != nullptr, writes dx. NCHW: one task owns whole (n, g) blocks,
 // so a block's second pass finds x and dy in cache.
-template <typename T, typename Tdy>
+template <int64_t A, typename T, typename Tdy>
 void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, const T* x,
-                      const float* mean, const float* rstd, const float* gamma, T* dx,
-                      float* db, float* ds, bool stream_dx) {
+                      const float* mean, const float* rstd, const float* gamma, const float* beta,
+                      T* dx, float* db, float* ds, bool stream_dx) {
   const int64_t D = s.D(), blocks = s.N * s.G;
   const float inv_d = 1.0f / static_cast<float>(D);
   const int64_t tasks = NumTasks(blocks, CeilDiv(kMinElementsPerTask, std::max<int64_t>(D, 1)), kMaxTasks);
@@ -400,20 +409,24 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
       const int64_t n = bi / s.G, g = bi % s.G;
       const float mu = mean[bi], rs = rstd[bi];
       const float* gn = s.ParamRow(gamma, n);
+      const float* bn = s.ParamRow(beta, n);
       float sum_g = 0.f, sum_gdx = 0.f;
       for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
         const Tdy* dyc = dy + (n * s.C + c) * s.HW;
         const T* xc = x + (n * s.C + c) * s.HW;
+        const float gm = gn ? gn[c] : 1.f;
+        const float za = rs * gm, zb = bn ? bn[c] : 0.f;  // z = (x - mean) za + zb
         Acc sd, sdx;
         ForRow(s.HW, [&](auto tag, int64_t j) {
+          const auto xm = Ld(tag, xc + j) - mu;
           auto d = Ld(tag, dyc + j);
+          if constexpr (A != kIdentity) d = d * ActGrad<A>(xm * za + zb);
           sd.Add(tag, d);
-          sdx.Add(tag, d * (Ld(tag, xc + j) - mu));
+          sdx.Add(tag, d * xm);
         });
         const float dbc = sd.Sum(), dsc = sdx.Sum();
         db[n * s.C + c] = dbc;
         ds[n * s.C + c] = dsc;
-        const float gm = gn ? gn[c] : 1.f;
         sum_g += gm * dbc;
         sum_gdx += gm * dsc;
       }
@@ -424,23 +437,41 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         const Tdy* dyc = dy + (n * s.C + c) * s.HW;
         const T* xc = x + (n * s.C + c) * s.HW;
         T* dxc = dx + (n * s.C + c) * s.HW;
-        const float a = rs * (gn ? gn[c] : 1.f);
+        const float a = rs * (gn ? gn[c] : 1.f), zb = bn ? bn[c] : 0.f;
         const bool stream = StreamRow(stream_dx, dxc);
         ForRowWide(dxc, s.HW, [&](auto tag, int64_t j) {
-          StOut(tag, dxc + j, a * Ld(tag, dyc + j) - b - k * (Ld(tag, xc + j) - mu), stream);
+          const auto xm = Ld(tag, xc + j) - mu;
+          auto d = Ld(tag, dyc + j);
+          if constexpr (A != kIdentity) d = d * ActGrad<A>(xm * a + zb);
+          StOut(tag, dxc + j, a * d - b - k * xm, stream);
         });
       }
     }
   });
 }
 
-template <typename T, typename Tdy>
+template <int64_t A, typename T, typename Tdy>
 void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, const T* x,
-                      const float* mean, const float* rstd, const float* gamma, T* dx,
-                      float* db, float* ds, bool stream_dx) {
+                      const float* mean, const float* rstd, const float* gamma, const float* beta,
+                      T* dx, float* db, float* ds, bool stream_dx) {
   const size_t nc = static_cast<size_t>(s.N * s.C);
   std::vector<float> mu_c(nc);
   ExpandGroups(s, mean, 0, s.N, mu_c.data());
+  // With an activation, z = (x - mean) za[c] + zb[c] per (n, c).
+  std::vector<float> za_c, zb_c;
+  if constexpr (A != kIdentity) {
+    za_c.resize(nc);
+    zb_c.resize(nc);
+    ExpandGroups(s, rstd, 0, s.N, za_c.data());
+    for (int64_t n = 0; n < s.N; ++n) {
+      const float* gn = s.ParamRow(gamma, n);
+      const float* bn = s.ParamRow(beta, n);
+      for (int64_t c = 0; c < s.C; ++c) {
+        if (gn) za_c[n * s.C + c] *= gn[c];
+        zb_c[n * s.C + c] = bn ? bn[c] : 0.f;
+      }
+    }
+  }
   // [db | ds] column sums of one sample side by side, in one pass over x, dy.
   std::vector<float> both(2 * nc);
   const int64_t P = ChunksPerSample(s);
@@ -449,12 +480,16 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
       const Tdy* dyr = dy + (n * s.HW + hw) * s.C;
       const T* xr = x + (n * s.HW + hw) * s.C;
       const float* mu = mu_c.data() + n * s.C;
+      [[maybe_unused]] const float* za = A != kIdentity ? za_c.data() + n * s.C : nullptr;
+      [[maybe_unused]] const float* zb = A != kIdentity ? zb_c.data() + n * s.C : nullptr;
       float* adb = acc;
       float* ads = acc + s.C;
       ForRowWide(adb, s.C, [&](auto tag, int64_t c) {
+        const auto xm = Ld(tag, xr + c) - Ld(tag, mu + c);
         auto d = Ld(tag, dyr + c);
+        if constexpr (A != kIdentity) d = d * ActGrad<A>(xm * Ld(tag, za + c) + Ld(tag, zb + c));
         St(tag, adb + c, Ld(tag, adb + c) + d);
-        St(tag, ads + c, Ld(tag, ads + c) + d * (Ld(tag, xr + c) - Ld(tag, mu + c)));
+        St(tag, ads + c, Ld(tag, ads + c) + d * xm);
       });
     }, both.data());
     for (int64_t n = n0; n < n1; ++n) {
@@ -471,6 +506,8 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
     }
     ForEachHwChunk(pool, s, P, n0, n1, [&](int64_t n, int64_t hb, int64_t he, int64_t) {
       const float* mu = mu_c.data() + n * s.C;
+      [[maybe_unused]] const float* za = A != kIdentity ? za_c.data() + n * s.C : nullptr;
+      [[maybe_unused]] const float* zb = A != kIdentity ? zb_c.data() + n * s.C : nullptr;
       const float* a = co.data() + 3 * (n - n0) * s.C;
       const float* b = a + s.C;
       const float* k = b + s.C;
@@ -480,10 +517,10 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         T* dxr = dx + (n * s.HW + hw) * s.C;
         const bool stream = StreamRow(stream_dx, dxr);
         ForRowWide(dxr, s.C, [&](auto tag, int64_t c) {
-          StOut(tag, dxr + c,
-                Ld(tag, a + c) * Ld(tag, dyr + c) - Ld(tag, b + c) -
-                    Ld(tag, k + c) * (Ld(tag, xr + c) - Ld(tag, mu + c)),
-                stream);
+          const auto xm = Ld(tag, xr + c) - Ld(tag, mu + c);
+          auto d = Ld(tag, dyr + c);
+          if constexpr (A != kIdentity) d = d * ActGrad<A>(xm * Ld(tag, za + c) + Ld(tag, zb + c));
+          StOut(tag, dxr + c, Ld(tag, a + c) * d - Ld(tag, b + c) - Ld(tag, k + c) * xm, stream);
         });
       }
     });
@@ -518,7 +555,7 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                             ffi::ResultBuffer<ffi::F32> mean,
                             ffi::ResultBuffer<ffi::F32> rstd, float eps, int64_t group,
                             int64_t param_groups, bool channels_last, bool has_weight,
-                            bool has_bias) {
+                            bool has_bias, int64_t activation) {
   GnShape s;
   JNG_RETURN_IF_ERROR(ParseShape(x, channels_last, group, param_groups, &s));
   const bool compute_y = y->element_count() != 0;
@@ -531,18 +568,23 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (s.HW == 0) return ffi::Error::InvalidArgument("x: HxW must be positive for the forward");
   const float* w = has_weight ? weight.typed_data() : nullptr;
   const float* b = has_bias ? bias.typed_data() : nullptr;
-  return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
-    using T = decltype(tag);
-    using Ty = decltype(ytag);
-    const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-    Ty* yp = compute_y ? reinterpret_cast<Ty*>(y->untyped_data()) : nullptr;
-    AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
-    const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
-    if (channels_last)
-      GroupNormFwdNHWC(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
-    else
-      GroupNormFwdNCHW(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(), stream_y);
-    return ffi::Error::Success();
+  return DispatchActivation(activation, [&](auto act) {
+    return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
+      using T = decltype(tag);
+      using Ty = decltype(ytag);
+      constexpr int64_t A = decltype(act)::value;
+      const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+      Ty* yp = compute_y ? reinterpret_cast<Ty*>(y->untyped_data()) : nullptr;
+      AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
+      const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
+      if (channels_last)
+        GroupNormFwdNHWC<A>(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(),
+                            stream_y);
+      else
+        GroupNormFwdNCHW<A>(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(),
+                            stream_y);
+      return ffi::Error::Success();
+    });
   });
 }
 
@@ -552,7 +594,8 @@ ffi::Error GroupNormApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
                               ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> bias,
                               ffi::Result<ffi::AnyBuffer> y, int64_t group,
-                              int64_t param_groups, bool has_weight, bool has_bias) {
+                              int64_t param_groups, bool has_weight, bool has_bias,
+                              int64_t activation) {
   GnShape s;
   JNG_RETURN_IF_ERROR(ParseShape(x, /*channels_last=*/true, group, param_groups, &s));
   JNG_RETURN_IF_ERROR(CheckSize("y", y->element_count(), s.N * s.C * s.HW));
@@ -563,25 +606,30 @@ ffi::Error GroupNormApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (s.N == 0 || s.HW == 0) return ffi::Error::Success();
   const float* w = has_weight ? weight.typed_data() : nullptr;
   const float* b = has_bias ? bias.typed_data() : nullptr;
-  return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
-    using T = decltype(tag);
-    using Ty = decltype(ytag);
-    Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
-    AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
-    GroupNormApplyNHWC(&pool, s, reinterpret_cast<const T*>(x.untyped_data()), mean.typed_data(),
-                       rstd.typed_data(), w, b, yp,
-                       StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes())));
-    return ffi::Error::Success();
+  return DispatchActivation(activation, [&](auto act) {
+    return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
+      using T = decltype(tag);
+      using Ty = decltype(ytag);
+      Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
+      AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
+      GroupNormApplyNHWC<decltype(act)::value>(
+          &pool, s, reinterpret_cast<const T*>(x.untyped_data()), mean.typed_data(),
+          rstd.typed_data(), w, b, yp,
+          StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes())));
+      return ffi::Error::Success();
+    });
   });
 }
 
 ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rstd,
-                            ffi::Buffer<ffi::F32> gamma, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ffi::F32> beta,
+                            ffi::Result<ffi::AnyBuffer> dx,
                             ffi::ResultBuffer<ffi::F32> dgamma,
                             ffi::ResultBuffer<ffi::F32> dbeta, int64_t group,
                             int64_t param_groups, bool channels_last, bool has_gamma,
-                            bool compute_dx, bool compute_dgamma, bool compute_dbeta) {
+                            bool has_beta, int64_t activation, bool compute_dx,
+                            bool compute_dgamma, bool compute_dbeta) {
   GnShape s;
   JNG_RETURN_IF_ERROR(ParseShape(x, channels_last, group, param_groups, &s));
   if (dx->element_type() != x.element_type())
@@ -592,6 +640,9 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   JNG_RETURN_IF_ERROR(CheckSize("mean", mean.element_count(), s.N * s.G));
   JNG_RETURN_IF_ERROR(CheckSize("rstd", rstd.element_count(), s.N * s.G));
   JNG_RETURN_IF_ERROR(CheckSize("gamma", gamma.element_count(), has_gamma ? psize : 0));
+  JNG_RETURN_IF_ERROR(CheckSize("beta", beta.element_count(), has_beta ? psize : 0));
+  if (has_beta && activation == kIdentity)
+    return ffi::Error::InvalidArgument("beta: only the backward of an activation reads beta");
   JNG_RETURN_IF_ERROR(CheckSize("grad_input", dx->element_count(), compute_dx ? size : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_gamma", dgamma->element_count(), compute_dgamma ? psize : 0));
   JNG_RETURN_IF_ERROR(CheckSize("grad_beta", dbeta->element_count(), compute_dbeta ? psize : 0));
@@ -603,13 +654,16 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   // Per-(n, c) sums, N*C floats each: 1/HW of the tensor.
   std::vector<float> db(static_cast<size_t>(s.N * s.C)), ds(static_cast<size_t>(s.N * s.C));
   const float* gm = has_gamma ? gamma.typed_data() : nullptr;
+  const float* bt = has_beta ? beta.typed_data() : nullptr;
   const float* mp = mean.typed_data();
   const float* rp = rstd.typed_data();
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    ffi::Error dy_error = DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out",
-                                               [&](auto dytag) {
+    ffi::Error dy_error = DispatchActivation(activation, [&](auto act) {
+     return DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out",
+                                 [&](auto dytag) {
       using Tdy = decltype(dytag);
+      constexpr int64_t A = decltype(act)::value;
       const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
@@ -617,10 +671,11 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       const bool stream_dx = compute_dx && StreamOutput(static_cast<int64_t>(
                                                x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
       if (channels_last)
-        GroupNormBwdNHWC(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data(), stream_dx);
+        GroupNormBwdNHWC<A>(&pool, s, dyp, xp, mp, rp, gm, bt, dxp, db.data(), ds.data(), stream_dx);
       else
-        GroupNormBwdNCHW(&pool, s, dyp, xp, mp, rp, gm, dxp, db.data(), ds.data(), stream_dx);
+        GroupNormBwdNCHW<A>(&pool, s, dyp, xp, mp, rp, gm, bt, dxp, db.data(), ds.data(), stream_dx);
       return ffi::Error::Success();
+     });
     });
     if (dy_error.failure()) return dy_error;
     // Parameter gradients: sums over the samples of each parameter group, in
@@ -654,7 +709,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormFwd), jax_normgrad::JNG_IS
                                   .Attr<int64_t>("param_groups")
                                   .Attr<bool>("channels_last")
                                   .Attr<bool>("has_weight")
-                                  .Attr<bool>("has_bias"));
+                                  .Attr<bool>("has_bias")
+                                  .Attr<int64_t>("activation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormApply), jax_normgrad::JNG_ISA::GroupNormApplyImpl,
                               xla::ffi::Ffi::Bind()
@@ -668,7 +724,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormApply), jax_normgrad::JNG_
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("param_groups")
                                   .Attr<bool>("has_weight")
-                                  .Attr<bool>("has_bias"));
+                                  .Attr<bool>("has_bias")
+                                  .Attr<int64_t>("activation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormBwd), jax_normgrad::JNG_ISA::GroupNormBwdImpl,
                               xla::ffi::Ffi::Bind()
@@ -678,6 +735,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormBwd), jax_normgrad::JNG_IS
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mean (N, G)
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd (N, G)
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // gamma (W, C) or (0)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // beta (W, C) or (0)
                                   .Ret<xla::ffi::AnyBuffer>()               // dx or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dgamma (W, C) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dbeta (W, C) or (0)
@@ -685,6 +743,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngGroupNormBwd), jax_normgrad::JNG_IS
                                   .Attr<int64_t>("param_groups")
                                   .Attr<bool>("channels_last")
                                   .Attr<bool>("has_gamma")
+                                  .Attr<bool>("has_beta")
+                                  .Attr<int64_t>("activation")
                                   .Attr<bool>("compute_dx")
                                   .Attr<bool>("compute_dgamma")
                                   .Attr<bool>("compute_dbeta"));

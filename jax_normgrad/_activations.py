@@ -12,8 +12,11 @@ statistics, so the pre-activation tensor is never written or read:
   ``sigmoid(z) * (1 + z * (1 - sigmoid(z)))``.
 * ``"gelu"``: the tanh approximation, which is ``jax.nn.gelu``'s and
   ``flax.linen.gelu``'s default (``approximate=True``):
-  ``0.5 * z * (1 + tanh(u))``, ``u = sqrt(2/pi) * (z + 0.044715 z^3)``;
-  derivative ``0.5 * (1 + t) + 0.5 * z * (1 - t^2) * sqrt(2/pi) * (1 + 3 * 0.044715 z^2)``.
+  ``0.5 * z * (1 + tanh(u)) = z * sigmoid(2u)``,
+  ``u = sqrt(2/pi) * (z + 0.044715 z^3)``, computed in the second form (as
+  the CPU kernels do; the same function, without tanh's cancellation near
+  0); derivative ``s + z * s * (1 - s) * 2 sqrt(2/pi) * (1 + 3 * 0.044715 z^2)``
+  with ``s = sigmoid(2u)``.
 * ``"relu"``: ``max(z, 0)``; derivative 1 where ``z > 0``, else 0 (as
   ``jax.nn.relu``'s gradient at 0).
 """
@@ -41,7 +44,7 @@ def apply(z, activation):
   if activation == "silu":
     return z * _sigmoid(z)
   if activation == "gelu":
-    return 0.5 * z * (1.0 + jnp.tanh(GELU_C * (z + GELU_A * z * z * z)))
+    return z * _sigmoid(2.0 * GELU_C * (z + GELU_A * z * z * z))
   if activation == "relu":
     return jnp.maximum(z, 0.0)
   raise ValueError(f"activation: expected None or one of {ACTIVATIONS}, got {activation!r}")
@@ -56,8 +59,8 @@ def grad(z, activation):
     return s * (1.0 + z * (1.0 - s))
   if activation == "gelu":
     z2 = z * z
-    t = jnp.tanh(GELU_C * (z + GELU_A * z2 * z))
-    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * z2)
+    s = _sigmoid(2.0 * GELU_C * (z + GELU_A * z2 * z))
+    return s + z * s * (1.0 - s) * 2.0 * GELU_C * (1.0 + 3.0 * GELU_A * z2)
   if activation == "relu":
     return jnp.where(z > 0.0, 1.0, 0.0).astype(z.dtype)
   raise ValueError(f"activation: expected None or one of {ACTIVATIONS}, got {activation!r}")

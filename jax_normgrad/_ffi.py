@@ -28,6 +28,10 @@ TARGETS = (
 
 EMPTY_F32 = np.zeros((0,), np.float32)
 
+#: GroupNorm's fused activations as the handlers' ``activation`` attribute
+#: (csrc/activation.h).
+ACTIVATION_CODES = {None: 0, "silu": 1, "gelu": 2, "relu": 3}
+
 
 def export_safety_checks() -> list:
   """The ``jax.export`` safety checks to disable for a function that runs these kernels.

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import sys
 import textwrap
 from collections.abc import Iterable
 
+import jax
 import jax.numpy as jnp
 
 import jax_normgrad as jn
-from jax_normgrad import _implementation
+from jax_normgrad import _implementation, _validation as v
 from jax_normgrad._validation import SUPPORTED_DTYPES
 
 F32 = jnp.dtype(jnp.float32)
@@ -169,7 +171,7 @@ def norm(x, weight, bias, *, begin: int, eps: float, centered: bool, out_dtype, 
 
 
 def group_norm(x, num_groups: int, weight, bias, *, batch_ndim: int, channels_last: bool,
-               eps: float, out_dtype, implementation):
+               eps: float, out_dtype, implementation, activation=None):
   """GroupNorm of ``x`` on the kernels, statistics per (sample, group), y rounded once to ``out_dtype``.
 
   ``x`` is ``batch + (spatial..., C)`` (``channels_last``) or ``batch + (C,
@@ -186,6 +188,7 @@ def group_norm(x, num_groups: int, weight, bias, *, batch_ndim: int, channels_la
     eps: float >= 0.
     out_dtype: y's dtype, one of the supported dtypes.
     implementation: passed to :func:`jax_normgrad.group_norm`.
+    activation: passed to :func:`jax_normgrad.group_norm` (fused).
 
   Returns:
     y with x's shape, in ``out_dtype``.
@@ -197,8 +200,18 @@ def group_norm(x, num_groups: int, weight, bias, *, batch_ndim: int, channels_la
   xk, kernel_out = _kernel_io(x, out_dtype)
   y = jn.group_norm(xk.reshape(shape), num_groups, _param(weight, (c,)), _param(bias, (c,)),
                     eps=eps, channel_axis=-1 if channels_last else 1, out_dtype=kernel_out,
-                    implementation=implementation)
+                    activation=activation, implementation=implementation)
   return y.reshape(x.shape).astype(out_dtype)
+
+
+def activate(y, activation):
+  """The drop-ins' ``activation`` applied after a library's own layer (their fallback path):
+  ``jax.nn.silu``, ``jax.nn.gelu`` (tanh approximation) or ``jax.nn.relu``; None: y."""
+  if activation is None:
+    return y
+  fns = {"silu": jax.nn.silu, "gelu": functools.partial(jax.nn.gelu, approximate=True),
+         "relu": jax.nn.relu}
+  return fns[v.check_activation(activation)](y)
 
 
 def empty_reduction(x, begin: int) -> bool:
@@ -206,24 +219,30 @@ def empty_reduction(x, begin: int) -> bool:
   return math.prod(x.shape[begin:]) == 0
 
 
-def init_with_implementation(original):
+def init_with_implementation(original, extra=()):
   """An ``__init__`` that is ``original.__init__`` plus a keyword ``implementation=None``.
 
-  Its signature is shown as the original's with that keyword added, so
-  ``inspect.signature`` and help() list the original's arguments and defaults.
+  ``extra`` names more keywords (default None) kept the same way, e.g.
+  GroupNorm's ``activation``. Its signature is shown as the original's with
+  those keywords added, so ``inspect.signature`` and help() list the
+  original's arguments and defaults.
   """
+  names = ("implementation",) + tuple(extra)
 
-  def __init__(self, *args, implementation: str | None = None, **kwargs):
+  def __init__(self, *args, **kwargs):
+    values = {name: kwargs.pop(name, None) for name in names}
     original.__init__(self, *args, **kwargs)
-    self.implementation = implementation
+    for name, value in values.items():
+      setattr(self, name, value)
 
   sig = inspect.signature(original.__init__)
   params = list(sig.parameters.values())
-  extra = inspect.Parameter("implementation", inspect.Parameter.KEYWORD_ONLY, default=None)
+  added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+           for name in names]
   # Keyword-only parameters go before a trailing **kwargs, if any.
   at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD),
             len(params))
-  __init__.__signature__ = sig.replace(parameters=params[:at] + [extra] + params[at:])
+  __init__.__signature__ = sig.replace(parameters=params[:at] + added + params[at:])
   __init__.__doc__ = original.__init__.__doc__
   return __init__
 

@@ -187,6 +187,17 @@ def check_implementation(implementation: Any) -> str | None:
   return implementation
 
 
+def check_activation(activation: Any) -> str | None:
+  """None or the name of a fusable activation (``_activations.ACTIVATIONS``)."""
+  from jax_normgrad._activations import ACTIVATIONS  # pylint: disable=g-import-not-at-top
+  if activation is not None and not isinstance(activation, str):
+    raise TypeError(f"activation: expected None or a str, one of {ACTIVATIONS}, got "
+                    f"{type(activation).__name__} {activation!r}")
+  if activation is not None and activation not in ACTIVATIONS:
+    raise ValueError(f"activation: expected None or one of {ACTIVATIONS}, got {activation!r}")
+  return activation
+
+
 def normalized_shape_of(normalized_shape: Any, x: jax.Array, name: str = "normalized_shape",
                         x_name: str = "x") -> tuple[int, ...]:
   """Checks ``normalized_shape`` against x: non-empty, trailing dims of x.

@@ -121,8 +121,10 @@ class GroupNorm(_GroupNorm):
   __doc__ = f"""``equinox.nn.GroupNorm`` whose backward runs the jax_normgrad kernels.
 
   ``GroupNorm(groups, channels=None, eps=1e-5, channelwise_affine=True,
-  dtype=None, *, implementation=None)``: equinox's arguments, defaults and
-  checks, plus ``implementation``. Channels first, no batch axis: x is
+  dtype=None, *, implementation=None, activation=None)``: equinox's
+  arguments, defaults and checks, plus ``implementation`` and ``activation``
+  (None, "silu", "gelu" or "relu", fused into the kernels:
+  ``jax.nn.silu(GroupNorm(...)(x))`` as one layer). Channels first, no batch axis: x is
   ``(channels, ...)`` (``jax.vmap`` over a batch); statistics per group of
   ``channels/groups`` channels over all their elements, in float32;
   ``weight``/``bias`` per channel, the output in x's dtype::
@@ -137,8 +139,16 @@ class GroupNorm(_GroupNorm):
   """
 
   implementation: str | None = eqx.field(static=True, default=None)
+  activation: str | None = eqx.field(static=True, default=None)
 
-  __init__ = _layers.init_with_implementation(_GroupNorm)
+  __init__ = _layers.init_with_implementation(_GroupNorm, extra=("activation",))
+
+  def _theirs(self, x, args, key):
+    """equinox's GroupNorm (its result or error), then the activation."""
+    out = _GroupNorm.__call__(self, x, *args, key=key)
+    if isinstance(out, tuple):
+      return (_layers.activate(out[0], self.activation),) + out[1:]
+    return _layers.activate(out, self.activation)
 
   def __call__(self, x, state=_NO_STATE, *, key=None):
     x = jnp.asarray(x)  # as equinox's jnp code sees it
@@ -146,17 +156,17 @@ class GroupNorm(_GroupNorm):
     channels = x.shape[0] if x.ndim else 0
     if (not channels or channels % self.groups
         or (self.channelwise_affine and self.weight.shape != (channels,))):
-      return _GroupNorm.__call__(self, x, *args, key=key)  # equinox's result or error.
+      return self._theirs(x, args, key)
     reason = _fallback_reason(x)
     if reason is not None:
       _layers.warn_fallback("jax_normgrad.equinox.GroupNorm", reason, "equinox.nn.GroupNorm")
-      return _GroupNorm.__call__(self, x, *args, key=key)
+      return self._theirs(x, args, key)
     affine = self.channelwise_affine
     with jax.named_scope("jax_normgrad.equinox.GroupNorm"):
       out = _layers.group_norm(x, self.groups, _f32(self.weight) if affine else None,
                                _f32(self.bias) if affine else None, batch_ndim=0,
                                channels_last=False, eps=self.eps, out_dtype=x.dtype,
-                               implementation=self.implementation)
+                               implementation=self.implementation, activation=self.activation)
     return _with_state(out, state)
 
 

@@ -171,7 +171,11 @@ class GroupNorm(_GroupNorm):
 
   Attributes, defaults and parameters are ``flax.linen.GroupNorm``'s
   (``num_groups=32``, ``group_size=None``, ``epsilon=1e-6``, ...), plus
-  ``implementation``. Runs :func:`jax_normgrad.group_norm` on x viewed as
+  ``implementation`` and ``activation``: None, "silu" (= ``nn.swish``),
+  "gelu" (``nn.gelu``'s default tanh form) or "relu", fused into the
+  kernels: ``GroupNorm(..., activation="silu")(x)`` computes
+  ``nn.swish(nn.GroupNorm(...)(x))`` without writing or keeping the
+  GroupNorm's output. Runs :func:`jax_normgrad.group_norm` on x viewed as
   ``(N, HxW, C)`` (no transpose): any number of leading sample axes, before
   the first reduction axis.
   {_doc("flax.linen.GroupNorm", "``reduction_axes`` not trailing axes ending with the channel axis")}
@@ -181,6 +185,7 @@ class GroupNorm(_GroupNorm):
   """
 
   implementation: str | None = None
+  activation: str | None = None
 
   @nn.compact
   def __call__(self, x, *, mask: jax.Array | None = None):
@@ -190,7 +195,8 @@ class GroupNorm(_GroupNorm):
             else list(range(1, x.ndim - 1)) + [-1])
     groups = _num_groups(self.num_groups, self.group_size, x.shape[-1]) if x.ndim else None
     if groups is None or x.ndim - 1 not in _layers.canonical_axes(x.ndim, axes):
-      return _GroupNorm.__call__(self, x, mask=mask)  # flax raises its own error.
+      # flax raises its own error.
+      return _layers.activate(_GroupNorm.__call__(self, x, mask=mask), self.activation)
     begin, _, axes_reason = _layers.plan_axes(x, axes)
     reason = _option_reason(self, mask) or axes_reason
     names = [("scale", self.scale_init, self.use_scale), ("bias", self.bias_init, self.use_bias)]
@@ -198,13 +204,13 @@ class GroupNorm(_GroupNorm):
       reason = _unsupported_dtypes(self, x, [x.shape[-1]], names)
     if reason is not None:
       _layers.warn_fallback(layer, reason, "flax.linen.GroupNorm")
-      return _GroupNorm.__call__(self, x, mask=mask)
+      return _layers.activate(_GroupNorm.__call__(self, x, mask=mask), self.activation)
     params = [self.param(name, init, [x.shape[-1]], self.param_dtype) if used else None
               for name, init, used in names]
     out_dtype = flax_dtypes.canonicalize_dtype(x, *params, dtype=self.dtype)
     return _layers.group_norm(x, groups, *params, batch_ndim=begin, channels_last=True,
                               eps=self.epsilon, out_dtype=out_dtype,
-                              implementation=self.implementation)
+                              implementation=self.implementation, activation=self.activation)
 
 
 def _linen_add_norm(mdl, plain, x, residual, *, centered: bool):

@@ -146,8 +146,11 @@ class GroupNorm(_GroupNorm):
   __doc__ = f"""``flax.nnx.GroupNorm`` whose backward runs the jax_normgrad kernels.
 
   ``GroupNorm(num_features, num_groups=32, group_size=None, *, epsilon=1e-6,
-  ..., rngs, implementation=None)``: flax's arguments, defaults and
-  constructor checks, plus ``implementation``. Channels last: x is
+  ..., rngs, implementation=None, activation=None)``: flax's arguments,
+  defaults and constructor checks, plus ``implementation`` and
+  ``activation`` (None, "silu", "gelu" or "relu", fused into the kernels:
+  ``nnx.swish(GroupNorm(...)(x))`` as one layer; see
+  :class:`jax_normgrad.flax.GroupNorm`). Channels last: x is
   ``(batch, ..., num_features)``; statistics per sample and group over every
   axis but the first (``reduction_axes``), in float32; ``scale``/``bias`` per
   channel::
@@ -160,14 +163,15 @@ class GroupNorm(_GroupNorm):
   Raises: what ``flax.nnx.GroupNorm`` raises.
   """
 
-  __init__ = _layers.init_with_implementation(_GroupNorm)
+  __init__ = _layers.init_with_implementation(_GroupNorm, extra=("activation",))
 
   def __call__(self, x, *, mask=None):
     axes = (self.reduction_axes if self.reduction_axes is not None
             else list(range(1, x.ndim - 1)) + [-1])
     channels = self.num_groups * self.group_size
     if x.ndim < 2 or x.shape[-1] != channels:
-      return _GroupNorm.__call__(self, x, mask=mask)  # flax's own result or error.
+      # flax's own result or error.
+      return _layers.activate(_GroupNorm.__call__(self, x, mask=mask), self.activation)
     xp, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)),
                                          dtype=self.dtype)
     begin, _, axes_reason = _layers.plan_axes(xp, axes)
@@ -181,10 +185,10 @@ class GroupNorm(_GroupNorm):
                                           result=out_dtype)
     if reason is not None:
       _layers.warn_fallback("jax_normgrad.nnx.GroupNorm", reason, "flax.nnx.GroupNorm")
-      return _GroupNorm.__call__(self, x, mask=mask)
+      return _layers.activate(_GroupNorm.__call__(self, x, mask=mask), self.activation)
     return _layers.group_norm(_kernel_x(self, x, xp), self.num_groups, scale, bias, batch_ndim=1,
                               channels_last=True, eps=self.epsilon, out_dtype=out_dtype,
-                              implementation=self.implementation)
+                              implementation=self.implementation, activation=self.activation)
 
 
 def _nnx_add_norm(mdl, plain, x, residual, *, centered: bool):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_normgrad import _activations
+
 F32 = jnp.float32
 
 
@@ -160,8 +162,11 @@ def _gn_param(p, n, group, channels_last):
 
 
 def group_norm_fwd(x, weight=None, bias=None, *, eps, group, channels_last, param_groups,
-                   y_dtype=None):
-  """Returns ``[y, mean, rstd]`` with ``mean``/``rstd`` of shape ``(N, G)``; y in ``y_dtype`` (None: x's)."""
+                   y_dtype=None, activation=None):
+  """Returns ``[y, mean, rstd]`` with ``mean``/``rstd`` of shape ``(N, G)``; y in ``y_dtype`` (None: x's).
+
+  With an ``activation`` (``_activations``) y is ``act(xhat * weight + bias)``.
+  """
   del param_groups  # The (W, C) parameter shape carries it.
   n = x.shape[0]
   axes, bcast = _gn_axes(channels_last)
@@ -174,18 +179,23 @@ def group_norm_fwd(x, weight=None, bias=None, *, eps, group, channels_last, para
     y = y * _gn_param(weight, n, group, channels_last)
   if bias is not None:
     y = y + _gn_param(bias, n, group, channels_last)
+  y = _activations.apply(y, activation)
   return [y.reshape(x.shape).astype(y_dtype or x.dtype), mean, rstd]
 
 
-def group_norm_bwd(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
-                   param_groups):
+def group_norm_bwd(dy, x, mean, rstd, *params, group, channels_last, has_gamma, output_mask,
+                   param_groups, has_beta=False, activation=None):
   """Returns the outputs of ``output_mask`` among ``[dx, dgamma, dbeta]``.
 
   Per ``(n, g)`` block, ``g = dy * gamma[c]``:
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``;
   ``dgamma[c] = sum_{n, hw} dy * xhat``, ``dbeta[c] = sum_{n, hw} dy``.
+  With an ``activation``, ``dy`` is the cotangent of ``act(z)``,
+  ``z = xhat * gamma + beta`` (``params``: gamma if ``has_gamma``, then beta if
+  ``has_beta``), and ``dz = dy * act'(z)`` stands for dy above.
   """
-  gamma = gamma[0] if has_gamma else None
+  gamma = params[0] if has_gamma else None
+  beta = params[has_gamma] if has_beta else None
   n = x.shape[0]
   c = x.shape[2] if channels_last else x.shape[1]
   axes, bcast = _gn_axes(channels_last)
@@ -193,6 +203,11 @@ def group_norm_bwd(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, o
   xb = _gn_blocks(x.astype(F32), group, channels_last)
   rs = rstd.astype(F32)[bcast]
   xhat = (xb - mean.astype(F32)[bcast]) * rs
+  if activation is not None:
+    z = xhat * _gn_param(gamma.astype(F32), n, group, channels_last) if gamma is not None else xhat
+    if beta is not None:
+      z = z + _gn_param(beta.astype(F32), n, group, channels_last)
+    dyb = dyb * _activations.grad(z, activation)
   outs = []
   if output_mask[0]:
     g = dyb * _gn_param(gamma, n, group, channels_last) if gamma is not None else dyb

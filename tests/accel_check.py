@@ -162,6 +162,14 @@ def _op_cases():
       Case("vmap(grad(group_norm NHWC)) per-example weights",
            jax.vmap(_grad(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1))),
            (_s((3, 2, 9, 9, 24), BF16), _s((3, 24), BF16), _s((3, 24), BF16)), 2),
+      # The fused activations (exp in the output pass and in the backward's).
+      Case("grad(group_norm activation=silu) NHWC 8x32x32x320/32 bfloat16",
+           _grad(lambda x, w, b: jn.group_norm(x, 32, w, b, channel_axis=-1,
+                                               activation="silu")),
+           (_s((8, 32, 32, 320), BF16), _s((320,), BF16), _s((320,), BF16)), 2),
+      Case("grad(group_norm activation=gelu) NCHW 8x128x16x16/32 float32",
+           _grad(lambda x, w, b: jn.group_norm(x, 32, w, b, activation="gelu")),
+           (_s((8, 128, 16, 16)), _s((128,)), _s((128,))), 2),
   ]
   return cases
 

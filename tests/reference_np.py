@@ -181,3 +181,30 @@ def fwd_scales(x, rstd, weight=None):
   cond = float(np.max(x) * np.max(rstd))
   w = float(np.max(np.abs(f64(weight)))) if weight is not None else 1.0
   return cond * w, float(np.max(x)), cond * float(np.max(rstd))
+
+
+def activation(z, name):
+  """GroupNorm's fused activations in float64, from their textbook forms (gelu by tanh)."""
+  z = f64(z)
+  if name == "silu":
+    return z / (1.0 + np.exp(-z))
+  if name == "gelu":
+    return 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z**3)))
+  if name == "relu":
+    return np.maximum(z, 0.0)
+  raise ValueError(name)
+
+
+def activation_grad(z, name):
+  """d activation(z) / dz in float64."""
+  z = f64(z)
+  if name == "silu":
+    s = 1.0 / (1.0 + np.exp(-z))
+    return s * (1.0 + z * (1.0 - s))
+  if name == "gelu":
+    c = np.sqrt(2.0 / np.pi)
+    t = np.tanh(c * (z + 0.044715 * z**3))
+    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * z * z)
+  if name == "relu":
+    return (z > 0).astype(np.float64)
+  raise ValueError(name)

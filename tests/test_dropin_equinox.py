@@ -104,12 +104,33 @@ def test_equinox_constructor_is_equinox_constructor():
   for name in ("LayerNorm", "RMSNorm", "GroupNorm"):
     ours = inspect.signature(getattr(je, name).__init__).parameters
     theirs = inspect.signature(getattr(eqx.nn, name).__init__).parameters
-    assert list(ours)[:-1] == list(theirs) and list(ours)[-1] == "implementation"
+    extra = ["implementation"] + (["activation"] if name == "GroupNorm" else [])
+    assert list(ours)[:len(theirs)] == list(theirs) and list(ours)[len(theirs):] == extra
     assert all(ours[p].default is theirs[p].default for p in theirs)
   m = je.GroupNorm(2, 4, implementation="xla")
   assert m.implementation == "xla"
   text = jax.jit(jax.grad(lambda m, x: jnp.sum(m(x) ** 2))).lower(m, jnp.ones((4, 3))).as_text()
   assert "custom_call @jax_normgrad_" not in text
+
+
+def test_equinox_group_norm_activation_is_equinox_then_the_activation():
+  """GroupNorm(activation="gelu") == jax.nn.gelu(equinox GroupNorm): y and every gradient."""
+  ours = random_like(je.GroupNorm(4, 16, activation="gelu"))
+  theirs = eqx.nn.GroupNorm(4, 16)
+  theirs = eqx.tree_at(lambda m: (m.weight, m.bias), theirs, (ours.weight, ours.bias))
+  x = normal((3, 16, 5, 7))
+  ct = cotangent(x.shape)
+  run = lambda f: run_jitted(jax.value_and_grad(
+      lambda m, x: linear_loss(jax.vmap(f(m))(x), ct), argnums=(0, 1)), ours, x)
+  with expect_fallback(False):
+    ours_out, calls = run(lambda m: m)
+  theirs_out, _ = run(lambda m: lambda x: jax.nn.gelu(theirs.__class__.__call__(
+      eqx.tree_at(lambda t: (t.weight, t.bias), theirs, (m.weight, m.bias)), x)))
+  assert_trees_close(ours_out[0], theirs_out[0], "loss")
+  assert_trees_close(ours_out[1][1], theirs_out[1][1], "grad x")
+  assert_trees_close((ours_out[1][0].weight, ours_out[1][0].bias),
+                     (theirs_out[1][0].weight, theirs_out[1][0].bias), "grad weight, bias")
+  assert calls == 2 and ours.activation == "gelu"
 
 
 @pytest.mark.parametrize("name,plain", [("AddLayerNorm", "LayerNorm"), ("AddRMSNorm", "RMSNorm")])

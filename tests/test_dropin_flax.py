@@ -174,14 +174,16 @@ def test_linen_model_swap_keeps_checkpoints():
 
 
 def test_linen_attributes_are_flax_attributes():
-  """Every flax attribute with its default, in flax's order; ``implementation`` added last."""
+  """Every flax attribute with its default, in flax's order; ``implementation`` added last
+  (GroupNorm: then ``activation``)."""
   import dataclasses
   for name in ("LayerNorm", "RMSNorm", "GroupNorm"):
     flax_fields = [(f.name, f.default) for f in dataclasses.fields(getattr(nn, name))
                    if f.name not in ("parent", "name")]
     our_fields = [(f.name, f.default) for f in dataclasses.fields(getattr(jf, name))
                   if f.name not in ("parent", "name")]
-    assert our_fields == flax_fields + [("implementation", None)]
+    extra = [("implementation", None)] + ([("activation", None)] if name == "GroupNorm" else [])
+    assert our_fields == flax_fields + extra
     assert issubclass(getattr(jf, name), getattr(nn, name))
 
 
@@ -242,12 +244,49 @@ def test_nnx_constructor_is_flax_constructor():
   for name in ("LayerNorm", "RMSNorm", "GroupNorm"):
     ours = inspect.signature(getattr(jx, name).__init__).parameters
     theirs = inspect.signature(getattr(nnx, name).__init__).parameters
-    assert list(ours)[:-1] == list(theirs) and list(ours)[-1] == "implementation"
+    extra = ["implementation"] + (["activation"] if name == "GroupNorm" else [])
+    assert list(ours)[:len(theirs)] == list(theirs) and list(ours)[len(theirs):] == extra
     assert all(ours[p].default is theirs[p].default for p in theirs)
   m = jx.LayerNorm(8, rngs=nnx.Rngs(0), implementation="xla")
   assert m.implementation == "xla" and isinstance(m, nnx.LayerNorm)
   with pytest.raises(ValueError, match="Either `num_groups` or `group_size`"):
     jx.GroupNorm(8, num_groups=2, group_size=4, rngs=nnx.Rngs(0))
+
+
+ACTIVATIONS = {"silu": nn.swish, "gelu": nn.gelu, "relu": nn.relu}
+
+
+@pytest.mark.parametrize("activation,dtype", [("silu", jnp.float32), ("gelu", jnp.bfloat16),
+                                              ("relu", jnp.float32)])
+def test_linen_group_norm_activation_is_flax_then_the_activation(activation, dtype):
+  """GroupNorm(activation=a) == a(flax GroupNorm): y and every gradient, on the kernels."""
+  ours = jf.GroupNorm(num_groups=4, activation=activation)
+  theirs = nn.GroupNorm(num_groups=4)
+  shape = (2, 5, 7, 16)
+  x = _x(shape, dtype)
+  params = random_like(jax.eval_shape(theirs.init, jax.random.key(1), x))
+  ct = cotangent(shape)
+  act = ACTIVATIONS[activation]
+  run = lambda apply: run_jitted(jax.value_and_grad(
+      lambda p, x: linear_loss(apply(p, x), ct), argnums=(0, 1)), params, x)
+  with expect_fallback(False):
+    ours_out, calls = run(ours.apply)
+  theirs_out, _ = run(lambda p, x: act(theirs.apply(p, x)))
+  assert_trees_close(ours_out, theirs_out, "loss and grads", dtype)
+  assert calls == 3  # channels last: the statistics, y, the backward
+
+
+def test_nnx_group_norm_activation_is_flax_then_the_activation():
+  ours = jx.GroupNorm(16, num_groups=4, activation="silu", rngs=nnx.Rngs(0))
+  theirs = nnx.GroupNorm(16, num_groups=4, rngs=nnx.Rngs(0))
+  state = random_like(nnx.state(theirs))
+  nnx.update(theirs, state)
+  nnx.update(ours, state)
+  x = _x((2, 5, 7, 16), jnp.float32)
+  with expect_fallback(False):
+    y, calls = run_jitted(lambda x: ours(x), x)
+  assert_trees_close(y, nnx.swish(theirs(x)), "y")
+  assert calls == 2 and ours.activation == "silu"  # the statistics, then y
 
 
 def test_docs_flax_example_runs():

@@ -32,6 +32,10 @@ class GroupNormOpTests:
       "mask": MASKS,
       "channels_last": [False, True],
       "half_dtype": [jnp.bfloat16, jnp.float16],
+      "activation,act_dtype,with_params,act_layout": [
+          ("silu", jnp.float32, True, False), ("silu", jnp.bfloat16, True, True),
+          ("gelu", jnp.float32, True, True), ("gelu", jnp.float16, False, False),
+          ("relu", jnp.float32, False, True), ("relu", jnp.bfloat16, True, False)],
   }
 
   def test_forward(self, rng, dtype, shape, n, c, hw, group, channels_last):
@@ -118,6 +122,42 @@ class GroupNormOpTests:
       text = jax.jit(lambda *a: jax.vjp(layer, *a)[1](dy)).lower(x, w, b).as_text()
       assert "jax_normgrad_group_norm_fwd" in text and "jax_normgrad_group_norm_bwd" in text
       assert f"{jnp.dtype(half_dtype).name}>) -> tensor<{'x'.join(map(str, shape))}xf32>" not in text
+
+  def test_activation(self, rng, activation, act_dtype, with_params, act_layout):
+    """group_norm(activation=...): y = act(z) and the gradients through it, against float64.
+
+    z = group_norm(x) is never an output: the reference chains act'(z) into
+    the float64 GroupNorm backward. Shapes with a ragged tail (C/G * HW not a
+    multiple of a vector) and parameters that push z across 0.
+    """
+    channels_last = act_layout
+    n, c, spatial, group = 3, 24, (5, 7), 6
+    hw = 35
+    shape = (n,) + spatial + (c,) if channels_last else (n, c) + spatial
+    x, dy, w, b = _inputs(rng, shape, c, act_dtype, param_dtype=jnp.float32,
+                          with_params=with_params)
+    axis = -1 if channels_last else 1
+    impl = self.implementation
+    layer = lambda x, w, b: jn.group_norm(x, group, w, b, channel_axis=axis,
+                                          activation=activation, implementation=impl)
+    y = jax.jit(layer)(x, w, b)
+    grads = jax.jit(lambda *a: jax.vjp(layer, *a)[1](dy))(x, w, b)
+    z, mean, rstd = ref.gn_fwd(x, w, b, n, c, hw, group, 1e-5, channels_last)
+    dz = np.asarray(dy, np.float64) * ref.activation_grad(z, activation)
+    refs = ref.gn_bwd(dz, x, mean, rstd, w, n, c, hw, group, channels_last)
+    block = c // group * hw
+    assert y.dtype == act_dtype and grads[0].dtype == act_dtype
+    assert_close(y, ref.activation(z, activation), act_dtype, block, "y",
+                 scale=ref.fwd_scales(x, rstd, w)[0])
+    assert_close(grads[0], refs[0], act_dtype, block, "grad x", scale=ref.dx_scale(dz, rstd, w))
+    if with_params:
+      for g, r, name in zip(grads[1:], refs[1:], ("grad weight", "grad bias")):
+        assert g.dtype == jnp.float32
+        assert_close(g, r, jnp.float32, n * hw, name)
+    if impl is None:
+      text = jax.jit(lambda *a: jax.vjp(layer, *a)[1](dy)).lower(x, w, b).as_text()
+      assert "jax_normgrad_group_norm_bwd" in text
+      assert "exponential" not in text and "logistic" not in text and "maximum" not in text
 
   def test_large_group_size(self, rng):
     # C/group far above the vendor's 8000 limit.

@@ -120,7 +120,7 @@ def test_group_norm_fwd_with_empty_y_gives_the_same_statistics(channels_last):
   xg = jax.random.normal(jax.random.key(2), (3, 37, 24) if channels_last else (3, 24, 37)) + 3.0
   stats = _sds((3, 6))
   attrs = dict(eps=1e-5, group=6, param_groups=1, channels_last=channels_last,
-               has_weight=False, has_bias=False)
+               has_weight=False, has_bias=False, activation=0)
   _, mean, rstd = _raw("jax_normgrad_group_norm_fwd", [_sds(xg.shape), stats, stats], xg, None,
                        None, **attrs)
   y0, mean0, rstd0 = _raw("jax_normgrad_group_norm_fwd", [_sds((0,)), stats, stats], xg, None,
@@ -234,24 +234,35 @@ BAD_FFI_CALLS = [
     # group that does not divide C.
     ("jax_normgrad_group_norm_bwd", [_sds((2, 6, 5)), _sds((1, 6)), _sds((1, 6))],
      (np.ones((2, 6, 5), np.float32), np.ones((2, 6, 5), np.float32), np.ones((2, 4), np.float32),
-      np.ones((2, 4), np.float32), None),
-     dict(group=4, param_groups=1, channels_last=False, has_gamma=False, compute_dx=True,
-          compute_dgamma=True, compute_dbeta=True), "group"),
+      np.ones((2, 4), np.float32), None, None),
+     dict(group=4, param_groups=1, channels_last=False, has_gamma=False, has_beta=False,
+          activation=0, compute_dx=True, compute_dgamma=True, compute_dbeta=True), "group"),
+    # beta given to a backward without an activation (it would be ignored).
+    ("jax_normgrad_group_norm_bwd", [_sds((2, 6, 5)), _sds((1, 6)), _sds((1, 6))],
+     (np.ones((2, 6, 5), np.float32), np.ones((2, 6, 5), np.float32), np.ones((2, 3), np.float32),
+      np.ones((2, 3), np.float32), None, np.ones((1, 6), np.float32)),
+     dict(group=3, param_groups=1, channels_last=False, has_gamma=False, has_beta=True,
+          activation=0, compute_dx=True, compute_dgamma=True, compute_dbeta=True), "beta"),
     # gamma said present but missing.
     ("jax_normgrad_group_norm_fwd", [_sds((2, 6, 5)), _sds((2, 3)), _sds((2, 3))],
      (np.ones((2, 6, 5), np.float32), None, None),
      dict(eps=1e-5, group=3, param_groups=1, channels_last=False, has_weight=True,
-          has_bias=False), "weight"),
+          has_bias=False, activation=0), "weight"),
+    # an unknown activation code.
+    ("jax_normgrad_group_norm_fwd", [_sds((2, 6, 5)), _sds((2, 3)), _sds((2, 3))],
+     (np.ones((2, 6, 5), np.float32), None, None),
+     dict(eps=1e-5, group=3, param_groups=1, channels_last=False, has_weight=False,
+          has_bias=False, activation=7), "activation"),
     # statistics of the wrong length.
     ("jax_normgrad_group_norm_apply", [_sds((2, 5, 6))],
      (np.ones((2, 5, 6), np.float32), np.ones((2, 2), np.float32), np.ones((2, 3), np.float32),
       None, None),
-     dict(group=3, param_groups=1, has_weight=False, has_bias=False), "mean"),
+     dict(group=3, param_groups=1, has_weight=False, has_bias=False, activation=0), "mean"),
     # a y of the wrong size (neither empty nor x's).
     ("jax_normgrad_group_norm_fwd", [_sds((7,)), _sds((2, 3)), _sds((2, 3))],
      (np.ones((2, 6, 5), np.float32), None, None),
      dict(eps=1e-5, group=3, param_groups=1, channels_last=True, has_weight=False,
-          has_bias=False), "y"),
+          has_bias=False, activation=0), "y"),
 ]
 
 

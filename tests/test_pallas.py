@@ -217,11 +217,12 @@ def test_group_norm_primitives_interpreted(rng, dtype, mask, n, c, hw, group, ch
   kw = dict(group=group, channels_last=channels_last, param_groups=w)
   with _kernels(backend, tiny):
     y, mean, rstd = jax.jit(lambda x, g, b: group_norm_fwd_p.bind(
-        x, g, b, eps=1e-5, has_weight=True, has_bias=True, y_dtype=None, implementation="pallas",
-        **kw))(
+        x, g, b, eps=1e-5, has_weight=True, has_bias=True, y_dtype=None, activation=None,
+        implementation="pallas", **kw))(
             x, gamma, beta)
     outs = jax.jit(lambda *a: group_norm_bwd_p.bind(
-        *a, has_gamma=True, output_mask=mask, implementation="pallas", **kw))(
+        *a, has_gamma=True, has_beta=False, activation=None, output_mask=mask,
+        implementation="pallas", **kw))(
             dy, x, mean, rstd, gamma)
   block = c // group * hw
   y_ref, mean_ref, rstd_ref = reference.group_norm_fwd(*_f32(x, gamma, beta), eps=1e-5, **kw)

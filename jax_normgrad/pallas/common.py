@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_normgrad import _compat
+from jax_normgrad import _activations, _compat
 from jax_normgrad.pallas import config
 
 F32 = jnp.float32
@@ -36,6 +36,10 @@ class Segments:
   ``[g * cg, (g + 1) * cg)``; its statistics are ``mean[i, g]``,
   ``rstd[i, g]``. The samples form ``param_groups`` (W) equal contiguous
   groups, each with its own parameter row (W > 1 only under vmap).
+
+  ``activation`` (GroupNorm only; ``jax_normgrad._activations``): y is
+  ``act(xhat * weight + bias)``, and the backward's dy is the cotangent of
+  that y (its kernels take beta too, to recompute the pre-activation value).
   """
 
   kind: str
@@ -45,6 +49,7 @@ class Segments:
   groups: int
   param_groups: int
   centered: bool = True
+  activation: str | None = None
 
   @property
   def chan_axis(self) -> int:
@@ -118,12 +123,31 @@ def inv_std(var, eps):
   return 1.0 / jnp.sqrt(var + jnp.float32(eps))
 
 
-def normalize(xc, rstd, weight, bias):
-  """``y = xc * rstd * weight + bias`` with ``xc`` the centered x (RMSNorm: x)."""
+def normalize(xc, rstd, weight, bias, activation=None):
+  """``y = act(xc * rstd * weight + bias)`` with ``xc`` the centered x (RMSNorm: x).
+
+  ``activation`` None is the identity (``Segments.activation``).
+  """
   y = xc * rstd
   if weight is not None:
     y = y * weight
-  return y + bias if bias is not None else y
+  return _activations.apply(y + bias if bias is not None else y, activation)
+
+
+def pre_activation_grad(dy, x, mean, rstd, gamma, beta, activation):
+  """The cotangent of ``z = xhat * gamma + beta`` from that of ``act(z)``: ``dy * act'(z)``.
+
+  ``dy`` itself where ``activation`` is None. Where a tile is masked, dy
+  reads 0, and so does the result.
+  """
+  if activation is None:
+    return dy
+  z, _ = xhat_and_g(x, dy, mean, rstd, None)
+  if gamma is not None:
+    z = z * gamma
+  if beta is not None:
+    z = z + beta
+  return dy * _activations.grad(z, activation)
 
 
 def combine_moments(state, chunk):
@@ -247,8 +271,9 @@ def _forward_adds_outside(x, residual, weight, bias, *, kernel_fn, h_dtype, **st
   return y.astype(x.dtype), mean, rstd, h32.astype(h_dtype)
 
 
-def _backward_adds_outside(dy, x, mean, rstd, gamma, dh, *, kernel_fn, **static):
+def _backward_adds_outside(dy, x, mean, rstd, gamma, beta, dh, *, kernel_fn, **static):
   """``kernel_fn``'s backward on float32 copies, h's cotangent added to dx by XLA before its rounding."""
+  del beta  # the residual form has no activation
   dx, dgamma, dbeta = kernel_fn(dy.astype(F32), x.astype(F32), mean, rstd, gamma, **static)
   return (dx + dh.astype(F32)).astype(x.dtype), dgamma, dbeta
 
@@ -286,8 +311,11 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
 
 
 def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
-             gpu_backend: GpuBackend = TRITON, op: str = "norm_bwd", dh=None):
+             gpu_backend: GpuBackend = TRITON, op: str = "norm_bwd", beta=None, dh=None):
   """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools).
+
+  ``beta`` is read only with ``seg.activation`` (the kernels then take it
+  after gamma).
 
   ``dx`` like x; ``dgamma``, ``dbeta`` of shape ``(param_groups, channels)``
   float32. Empty inputs give an empty ``dx`` and zero parameter gradients.
@@ -306,16 +334,17 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
   x_dtype = x.dtype
   if dy.dtype != x_dtype:
     x, dy = x.astype(F32), dy.astype(F32)
-  if dh is not None:
+  if dh is not None:  # the residual form (rows; no activation, so no beta)
     kernels, fused = _residual_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
     gpu_fn = kernels.backward if fused else functools.partial(
         _backward_adds_outside, kernel_fn=kernels.backward)
-    dx, dgamma, dbeta = dispatch(gpu_fn, tpu.backward, (dy, x, mean, rstd, gamma, dh),
+    dx, dgamma, dbeta = dispatch(gpu_fn, tpu.backward, (dy, x, mean, rstd, gamma, None, dh),
                                  interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg,
                                  mask=tuple(mask))
   else:
     kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
-    dx, dgamma, dbeta = dispatch(kernels.backward, tpu.backward, (dy, x, mean, rstd, gamma),
+    params = (gamma, beta) if seg.activation is not None else (gamma,)
+    dx, dgamma, dbeta = dispatch(kernels.backward, tpu.backward, (dy, x, mean, rstd) + params,
                                  interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg,
                                  mask=tuple(mask))
   return (None if dx is None else dx.astype(x_dtype)), dgamma, dbeta

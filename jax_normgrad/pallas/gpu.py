@@ -166,8 +166,8 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
     if has_residual:
       pltriton.store(h_ref.at[(i,) + idx], x.astype(h_ref.dtype), mask=mask)
     xc = x - mean if seg.centered else x
-    pltriton.store(y_ref.at[(i,) + idx], common.normalize(xc, rstd, *params).astype(y_ref.dtype),
-                   mask=mask)
+    y = common.normalize(xc, rstd, *params, activation=seg.activation)
+    pltriton.store(y_ref.at[(i,) + idx], y.astype(y_ref.dtype), mask=mask)
 
   fused_params = launch.params((w_ref, b_ref), w, g, 0) if launch.plan.fused else None
 
@@ -234,11 +234,11 @@ def _segment_means(g, xhat, seg):
   return c1, jnp.sum(g * xhat) / seg.count
 
 
-def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool):
+def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool, has_beta: bool):
   """``c1``, ``c2`` of segments too long for one tile, one chunk at a time."""
   seg = launch.seg
-  dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref = common.unpack(
-      refs, True, True, seg.centered, True, has_gamma, seg.centered, True)
+  dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref = common.unpack(
+      refs, True, True, seg.centered, True, has_gamma, has_beta, seg.centered, True)
   w, g, _, start, end = launch.program()
 
   def sample(i, carry):
@@ -250,9 +250,11 @@ def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool):
     def chunk(k, sums):
       kc, ks = launch.chunk(k)
       idx, mask = launch.window(g, kc, ks)
-      gamma, = launch.params((gamma_ref,), w, g, kc)
-      xhat, gg = common.xhat_and_g(_load(x_ref.at[(i,) + idx], mask),
-                                   _load(dy_ref.at[(i,) + idx], mask), mean, rstd, gamma)
+      gamma, beta = launch.params((gamma_ref, beta_ref), w, g, kc)
+      x = _load(x_ref.at[(i,) + idx], mask)
+      dy = common.pre_activation_grad(_load(dy_ref.at[(i,) + idx], mask), x, mean, rstd, gamma,
+                                      beta, seg.activation)
+      xhat, gg = common.xhat_and_g(x, dy, mean, rstd, gamma)
       s2 = sums[-1] + gg * xhat
       return (sums[0] + gg, s2) if seg.centered else (s2,)
 
@@ -268,7 +270,7 @@ def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool):
 
 
 def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma: bool,
-                has_dh: bool):
+                has_beta: bool, has_dh: bool):
   """The fused backward: x and dy read once per tile, partials accumulated in registers.
 
   For each channel chunk (one, unless a segment's channels exceed a tile),
@@ -278,18 +280,19 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   residual form, before dx's rounding) and adds ``sum dy * xhat`` and
   ``sum dy`` over the non-channel axis to float32 accumulators, stored once
   per program as its partial row. No atomics: the partials are summed later.
+  With a fused activation dy is first ``dy * act'(z)`` (``common.pre_activation_grad``).
   """
   seg = launch.seg
   precomputed = mask[0] and not launch.plan.fused
-  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref, dh_ref,
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref, dh_ref,
    dx_ref, dw_ref, db_ref) = common.unpack(
-       refs, True, True, seg.centered, True, has_gamma, precomputed and seg.centered,
+       refs, True, True, seg.centered, True, has_gamma, has_beta, precomputed and seg.centered,
        precomputed, has_dh, *mask)
   partial_refs = [r for r in (dw_ref, db_ref) if r is not None]
   w, g, p, start, end = launch.program()
 
   def channel_chunk(kc, carry):
-    gamma, = launch.params((gamma_ref,), w, g, kc)
+    gamma, beta = launch.params((gamma_ref, beta_ref), w, g, kc)
 
     def sample(i, acc):
       mean = mean_ref[i, g] if seg.centered else None
@@ -302,6 +305,7 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
         idx, m = launch.window(g, kc, ks)
         x = _load(x_ref.at[(i,) + idx], m)
         dy = _load(dy_ref.at[(i,) + idx], m)  # 0 where masked: no term below sees padding
+        dy = common.pre_activation_grad(dy, x, mean, rstd, gamma, beta, seg.activation)
         xhat, gg = common.xhat_and_g(x, dy, mean, rstd, gamma)
         if mask[0]:
           c1, c2 = c if c is not None else _segment_means(gg, xhat, seg)
@@ -349,16 +353,17 @@ def _sum_partials(partials, *, interpret: bool):
       name="jax_normgrad_sum_partials")(partials)
 
 
-def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, interpret: bool):
+def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
+             interpret: bool):
   """``(dx | None, dgamma | None, dbeta | None)``; see ``common.backward``."""
   plan = config.gpu_plan(seg.shape, x.dtype.itemsize, backward=True)
   launch = _Launch(seg, plan, interpret)
-  has_gamma = gamma is not None
+  flags = dict(has_gamma=gamma is not None, has_beta=beta is not None)
   c1 = c2 = None
   if mask[0] and not plan.fused:
     stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
-    cs = launch.call(functools.partial(_bwd_stats_kernel, launch=launch, has_gamma=has_gamma),
-                     [stats] * (1 + seg.centered), dy, x, mean, rstd, gamma,
+    cs = launch.call(functools.partial(_bwd_stats_kernel, launch=launch, **flags),
+                     [stats] * (1 + seg.centered), dy, x, mean, rstd, gamma, beta,
                      interpret=interpret, name="jax_normgrad_norm_bwd_stats",
                      num_warps=plan.stats_warps)
     c1, c2 = cs if seg.centered else (None, cs[0])
@@ -366,9 +371,9 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
   out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] if mask[0] else []) + [
       partial] * sum(mask[1:])
   outs = list(launch.call(
-      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_gamma=has_gamma,
-                        has_dh=dh is not None), out_shape,
-      dy, x, mean, rstd, gamma, c1, c2, dh, interpret=interpret, name="jax_normgrad_norm_bwd"))
+      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_dh=dh is not None, **flags),
+      out_shape, dy, x, mean, rstd, gamma, beta, c1, c2, dh, interpret=interpret,
+      name="jax_normgrad_norm_bwd"))
   dx = outs.pop(0) if mask[0] else None
   return (dx,) + tuple(_sum_partials(outs.pop(0), interpret=interpret) if m else None
                        for m in mask[1:])

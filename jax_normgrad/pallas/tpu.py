@@ -332,7 +332,8 @@ def _fwd_kernel(*refs, lay: _Layout, eps: float, has_weight: bool, has_bias: boo
   mean = lay.seg_sum(x) / seg.count if seg.centered else None
   xc = x - mean if seg.centered else x
   rstd = common.inv_std(lay.seg_sum(xc * xc) / seg.count, eps)
-  y_ref[...] = common.normalize(xc, rstd, _param(w_ref), _param(b_ref)).astype(y_ref.dtype)
+  y_ref[...] = common.normalize(xc, rstd, _param(w_ref), _param(b_ref),
+                                seg.activation).astype(y_ref.dtype)
   if seg.centered:
     mean_ref[...] = mean
   rstd_ref[...] = rstd
@@ -380,8 +381,8 @@ def _normalize_kernel(*refs, lay: _Layout, has_weight: bool, has_bias: bool,
   if has_residual:
     h_ref[...] = x.astype(h_ref.dtype)
   xc = x - mean_ref[...] if mean_ref is not None else x
-  y_ref[...] = common.normalize(xc, rstd_ref[...], _param(w_ref), _param(b_ref)).astype(
-      y_ref.dtype)
+  y_ref[...] = common.normalize(xc, rstd_ref[...], _param(w_ref), _param(b_ref),
+                                lay.seg.activation).astype(y_ref.dtype)
 
 
 def _compute_dtype(x):
@@ -437,23 +438,24 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_d
 # Backward
 
 
-def _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref):
-  """The float32 ``(xhat, g, dy, rstd)`` of a block."""
-  dy = dy_ref[...].astype(F32)
-  rstd = rstd_ref[...]
-  xhat, g = common.xhat_and_g(x_ref[...].astype(F32), dy, _param(mean_ref), rstd,
-                              _param(gamma_ref))
+def _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, activation):
+  """The float32 ``(xhat, g, dy, rstd)`` of a block (dy: of the pre-activation value)."""
+  x = x_ref[...].astype(F32)
+  mean, rstd, gamma = _param(mean_ref), rstd_ref[...], _param(gamma_ref)
+  dy = common.pre_activation_grad(dy_ref[...].astype(F32), x, mean, rstd, gamma,
+                                  _param(beta_ref), activation)
+  xhat, g = common.xhat_and_g(x, dy, mean, rstd, gamma)
   return xhat, g, dy, rstd
 
 
-def _bwd_stats_kernel(*refs, lay: _Layout, has_gamma: bool):
+def _bwd_stats_kernel(*refs, lay: _Layout, has_gamma: bool, has_beta: bool):
   """Long segments: ``c1 = mean(g)``, ``c2 = mean(g * xhat)`` summed chunk by chunk."""
   seg = lay.seg
-  dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref = common.unpack(
-      refs, True, True, seg.centered, True, has_gamma, seg.centered, True)
+  dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref = common.unpack(
+      refs, True, True, seg.centered, True, has_gamma, has_beta, seg.centered, True)
   ids = _ids(lay.stats_order)
   inner = lay.inner_mask(ids)
-  xhat, g, _, _ = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref)
+  xhat, g, _, _ = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, seg.activation)
   sums = [(c1_ref, g), (c2_ref, g * xhat)]
   sums = [(ref, t) for ref, t in sums if ref is not None]
 
@@ -471,7 +473,8 @@ def _bwd_stats_kernel(*refs, lay: _Layout, has_gamma: bool):
       ref[...] = ref[...] / seg.count
 
 
-def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_dh: bool = False):
+def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
+                has_dh: bool = False):
   """dx from one read of x and dy; partials accumulated in the resident output block.
 
   ``c1``/``c2`` come from the block itself when segments fit in one,
@@ -481,12 +484,13 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_dh: bool = False
   """
   seg = lay.seg
   precomputed = mask[0] and not lay.fused
-  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref, dh_ref,
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref, dh_ref,
    dx_ref, dw_ref, db_ref) = common.unpack(
-       refs, True, True, seg.centered, True, has_gamma, precomputed and seg.centered,
+       refs, True, True, seg.centered, True, has_gamma, has_beta, precomputed and seg.centered,
        precomputed, has_dh, *mask)
   ids = _ids(lay.main_order)
-  xhat, g, dy, rstd = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref)
+  xhat, g, dy, rstd = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref, beta_ref,
+                             seg.activation)
   if mask[0]:
     if precomputed:
       c1, c2 = _param(c1_ref), c2_ref[...]
@@ -517,7 +521,8 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_dh: bool = False
       ref[...] += lay.param_sum(_masked(t, valid))
 
 
-def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, interpret: bool):
+def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
+             interpret: bool):
   """``(dx | None, dgamma | None, dbeta | None)``; see ``common.backward``."""
   out_dtype = x.dtype
   x, dy = x.astype(_compute_dtype(x)), dy.astype(_compute_dtype(x))
@@ -525,13 +530,12 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
   data = [("data", dy.reshape(lay.data_shape)), ("data", x.reshape(lay.data_shape))]
   stats = [("stats", None if mean is None else lay.view_stats(mean)),
            ("stats", lay.view_stats(rstd))]
-  has_gamma = gamma is not None
-  params = [("param", lay.view_param(gamma) if has_gamma else None)]
+  flags = dict(has_gamma=gamma is not None, has_beta=beta is not None)
+  params = [("param", None if p is None else lay.view_param(p)) for p in (gamma, beta)]
   cs = []
   if mask[0] and not lay.fused:
     st = jax.ShapeDtypeStruct(lay.stats_shape, F32)
-    cs = _call(lay, lay.stats_order, functools.partial(_bwd_stats_kernel, lay=lay,
-                                                       has_gamma=has_gamma),
+    cs = _call(lay, lay.stats_order, functools.partial(_bwd_stats_kernel, lay=lay, **flags),
                data + stats + params, [("stats", st)] * (1 + seg.centered), interpret=interpret,
                name="jax_normgrad_norm_bwd_stats")
   partial = ("partial", jax.ShapeDtypeStruct(lay.partial_shape, F32))
@@ -539,8 +543,8 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
       partial] * sum(mask[1:])
   dh_in = [] if dh is None else [("data", dh.astype(_compute_dtype(dh)).reshape(lay.data_shape))]
   res = list(_call(lay, lay.main_order,
-                   functools.partial(_bwd_kernel, lay=lay, mask=mask, has_gamma=has_gamma,
-                                     has_dh=dh is not None),
+                   functools.partial(_bwd_kernel, lay=lay, mask=mask, has_dh=dh is not None,
+                                     **flags),
                    data + stats + params + [("stats", c) for c in cs] + dh_in, outs,
                    interpret=interpret, name="jax_normgrad_norm_bwd"))
   dx = res.pop(0).reshape(x.shape).astype(out_dtype) if mask[0] else None

@@ -5,6 +5,11 @@ Canonical operands (see ``jax_normgrad.reference``): ``x``, ``dy`` of shape
 of shape ``(N, G)`` float32; ``gamma``/``beta`` of shape ``(W, C)`` float32,
 ``W = param_groups``. As for LayerNorm, the forward's ``y_dtype`` (None: x's
 dtype, or float32) is y's dtype, and ``dy`` is in x's dtype or float32.
+
+``activation`` (None, "silu", "gelu", "relu"; ``jax_normgrad._activations``)
+fuses an activation: the forward's y is ``act(xhat * gamma + beta)``, and
+the backward's ``dy`` is the cotangent of that y; it reads beta as well
+(``has_beta``) to recompute the pre-activation value.
 """
 
 from __future__ import annotations
@@ -29,24 +34,27 @@ def _channels(x, channels_last):
 
 
 def _fwd_abstract(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups,
-                  y_dtype, implementation):
-  del params, eps, channels_last, has_weight, has_bias, param_groups, implementation
+                  y_dtype, activation, implementation):
+  del params, eps, channels_last, has_weight, has_bias, param_groups, activation, implementation
   return [shaped(x.shape, y_dtype or x.dtype), shaped((x.shape[0], group), F32),
           shaped((x.shape[0], group), F32)]
 
 
-def _fwd_xla(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups, y_dtype):
+def _fwd_xla(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups, y_dtype,
+             activation):
   weight, bias = _split_params(params, has_weight, has_bias)
   return reference.group_norm_fwd(x, weight, bias, eps=eps, group=group,
                                   channels_last=channels_last, param_groups=param_groups,
-                                  y_dtype=y_dtype)
+                                  y_dtype=y_dtype, activation=activation)
 
 
-def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups, y_dtype):
+def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups, y_dtype,
+             activation):
   weight, bias = _split_params(params, has_weight, has_bias)
   stats = jax.ShapeDtypeStruct((x.shape[0], group), F32)
   y_type = jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype)
-  attrs = dict(group=group, param_groups=param_groups, has_weight=has_weight, has_bias=has_bias)
+  attrs = dict(group=group, param_groups=param_groups, has_weight=has_weight, has_bias=has_bias,
+               activation=_ffi.ACTIVATION_CODES[activation])
   if not channels_last:
     return list(_ffi.call("jax_normgrad_group_norm_fwd", [y_type, stats, stats], x, weight, bias,
                           eps=eps, channels_last=channels_last, **attrs))
@@ -82,42 +90,45 @@ group_norm_fwd_p = make_primitive("jax_normgrad_group_norm_fwd", _fwd_abstract,
 
 
 # ----------------------------------------------------------------------------
-# Backward: (dy, x, mean, rstd, [gamma]) -> the output_mask'ed of (dx, dgamma, dbeta)
+# Backward: (dy, x, mean, rstd, [gamma], [beta]) -> the output_mask'ed of (dx, dgamma, dbeta)
 
 
-def _bwd_abstract(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
-                  param_groups, implementation):
-  del dy, mean, rstd, gamma, group, has_gamma, implementation
+def _bwd_abstract(dy, x, mean, rstd, *params, group, channels_last, has_gamma, has_beta,
+                  activation, output_mask, param_groups, implementation):
+  del dy, mean, rstd, params, group, has_gamma, has_beta, activation, implementation
   outs = [shaped(x.shape, x.dtype)] if output_mask[0] else []
   return outs + [shaped((param_groups, _channels(x, channels_last)), F32)] * sum(output_mask[1:])
 
 
-def _bwd_xla(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
-             param_groups):
-  return reference.group_norm_bwd(dy, x, mean, rstd, *gamma, group=group,
+def _bwd_xla(dy, x, mean, rstd, *params, group, channels_last, has_gamma, has_beta, activation,
+             output_mask, param_groups):
+  return reference.group_norm_bwd(dy, x, mean, rstd, *params, group=group,
                                   channels_last=channels_last, has_gamma=has_gamma,
+                                  has_beta=has_beta, activation=activation,
                                   output_mask=output_mask, param_groups=param_groups)
 
 
-def _bwd_ffi(dy, x, mean, rstd, *gamma, group, channels_last, has_gamma, output_mask,
-             param_groups):
+def _bwd_ffi(dy, x, mean, rstd, *params, group, channels_last, has_gamma, has_beta, activation,
+             output_mask, param_groups):
+  gamma, beta = _split_params(params, has_gamma, has_beta)
   c = _channels(x, channels_last)
   param_shape = (param_groups, c)
   out_types = [jax.ShapeDtypeStruct(x.shape if output_mask[0] else (0,), x.dtype),
                jax.ShapeDtypeStruct(param_shape if output_mask[1] else (0,), F32),
                jax.ShapeDtypeStruct(param_shape if output_mask[2] else (0,), F32)]
-  outs = _ffi.call("jax_normgrad_group_norm_bwd", out_types, dy, x, mean, rstd,
-                   gamma[0] if has_gamma else None, group=group, param_groups=param_groups,
-                   channels_last=channels_last, has_gamma=has_gamma,
+  outs = _ffi.call("jax_normgrad_group_norm_bwd", out_types, dy, x, mean, rstd, gamma, beta,
+                   group=group, param_groups=param_groups, channels_last=channels_last,
+                   has_gamma=has_gamma, has_beta=has_beta,
+                   activation=_ffi.ACTIVATION_CODES[activation],
                    compute_dx=output_mask[0], compute_dgamma=output_mask[1],
                    compute_dbeta=output_mask[2])
   return [o for o, m in zip(outs, output_mask) if m]
 
 
-def _bwd_roles(n_in, *, channels_last, has_gamma, output_mask, **params):
+def _bwd_roles(n_in, *, channels_last, has_gamma, has_beta, output_mask, **params):
   del n_in, params
   x, stats, param = _roles(channels_last)
-  return ([x, x, stats, stats] + [param] * has_gamma,
+  return ([x, x, stats, stats] + [param] * (has_gamma + has_beta),
           [x] * output_mask[0] + [param] * sum(output_mask[1:]))
 
 
