@@ -312,7 +312,7 @@ CUSTOM_CALL = {"cuda": TRITON, "tpu": "tpu_custom_call"}
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("centered,dtype", [(True, BF16), (False, F32)])
-def test_export_lowers_to_the_fused_kernels(platform, centered, dtype):
+def test_pallas_export_lowers_to_the_fused_kernels(platform, centered, dtype):
   """Exported for GPU / TPU, the residual form is the platform's Pallas kernels with the adds
   inside them: no FallbackWarning and no tensor-sized add (or float32 copy) around them."""
   s = lambda shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
@@ -412,7 +412,7 @@ class TestAddNormDropins:
 
 
 @needs_mosaic_gpu
-def test_mosaic_gpu_adds_around_its_kernels_announced(rng):
+def test_pallas_mosaic_gpu_adds_around_its_kernels_announced(rng):
   """The Mosaic GPU kernels do not fuse the residual yet: the adds run as XLA fusions around
   them, on float32 copies (same numbers as the reference), with a FallbackWarning."""
   from jax_normgrad import _implementation
