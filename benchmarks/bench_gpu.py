@@ -8,6 +8,7 @@ package (on the project's GPU machine: ``pip install --no-build-isolation
     python benchmarks/bench_gpu.py --out gpu.json --rounds 5 --iters 50
     python benchmarks/bench_gpu.py --only ln              # the rows whose name has "ln"
     python benchmarks/bench_gpu.py --gpu-backend mosaic_gpu   # the Mosaic GPU kernels (sm_90+)
+    python benchmarks/bench_gpu.py --residual             # add_layer_norm / add_rms_norm, pre-norm stack
 
 For each row (LayerNorm and RMSNorm 32768x1024, 16384x4096, 4096x16384 in
 bfloat16 and float32; GroupNorm 8x256x64x64 with 32 groups, NCHW and NHWC) it
@@ -63,6 +64,14 @@ ROWS = [
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("rms", (16, 72), jnp.bfloat16),
               ("gn", (2, 6, 3, 5, 3), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.bfloat16)]
 VARIANTS = ("fwd", "bwd", "grad")
+# --residual: add_layer_norm / add_rms_norm forward + backward against this package's
+# layer_norm(x + residual) and XLA's autodiff (_bench.measure_residual), then a pre-norm MLP
+# stack's training step with and without the fused form (_bench.measure_stack).
+RESIDUAL_ROWS = [(kind, shape, dtype) for dtype in (jnp.bfloat16, jnp.float32)
+                 for kind in ("ln", "rms") for shape in ((32768, 1024), (16384, 4096))]
+SMOKE_RESIDUAL_ROWS = [("ln", (24, 40), jnp.float32), ("rms", (16, 72), jnp.bfloat16)]
+STACK = dict(layers=4, hidden=4096, ffn=1024, tokens=16384)
+SMOKE_STACK = dict(layers=2, hidden=64, ffn=32, tokens=32)
 
 
 def workload(kind: str, shape: tuple, dtype) -> _bench.Workload:
@@ -142,12 +151,22 @@ def main(argv=None) -> int:
                       help="the Pallas GPU backend of the package's kernels (sets "
                       f"{_implementation.GPU_BACKEND_ENV}; what Mosaic GPU cannot run, such as "
                       "GroupNorm, Triton runs with a FallbackWarning)")
+  parser.add_argument("--residual", action="store_true",
+                      help="the fused residual form's rows and the pre-norm stack's step instead")
   args = parser.parse_args(argv)
   os.environ[_implementation.GPU_BACKEND_ENV] = args.gpu_backend
   if jax.default_backend() != "gpu" and not args.smoke:
     print(f"note: no GPU ({jax.default_backend()}); these are not GPU figures", file=sys.stderr)
   rows = []
-  for kind, shape, dtype in (SMOKE_ROWS if args.smoke else ROWS):
+  if args.residual:
+    for kind, shape, dtype in (SMOKE_RESIDUAL_ROWS if args.smoke else RESIDUAL_ROWS):
+      rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds))
+      _bench.print_residual_rows(rows[-1:])
+    for dtype in (jnp.bfloat16, jnp.float32):
+      rows.append(_bench.measure_stack(dtype, args.iters, args.rounds,
+                                       **(SMOKE_STACK if args.smoke else STACK)))
+      _bench.print_residual_rows(rows[-1:])
+  for kind, shape, dtype in ([] if args.residual else SMOKE_ROWS if args.smoke else ROWS):
     name = f"{kind} {'x'.join(map(str, shape))} {jnp.dtype(dtype).name}"
     if args.only and args.only not in name:
       continue
@@ -157,14 +176,16 @@ def main(argv=None) -> int:
     print(f"{row['workload']}: bwd {row['bwd_ours_ms']:.3f} ms ({row['bwd_vs_xla']:.2f}x XLA, "
           f"{row['bwd_ours_of_copy']:.0%} of copy), fwd {row['fwd_ours_ms']:.3f} ms "
           f"({row['fwd_vs_xla']:.2f}x XLA) [{time.perf_counter() - t0:.1f} s]", file=sys.stderr)
-  print_table(rows)
+  if not args.residual:
+    print_table(rows)
   info = machine()
   result = {"date": datetime.date.today().isoformat(), "machine": info,
             "versions": _bench.versions(), "command": " ".join(sys.argv),
             "gpu_backend": args.gpu_backend, "rows": rows}
   out = args.out or (pathlib.Path(__file__).parent / "recorded" /
                      f"gpu_{result['date']}_{info['device_kind'].replace(' ', '_')}"
-                     f"{'' if args.gpu_backend == 'triton' else '_' + args.gpu_backend}.json")
+                     f"{'' if args.gpu_backend == 'triton' else '_' + args.gpu_backend}"
+                     f"{'_residual' if args.residual else ''}.json")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1))
   print(f"wrote {out}", file=sys.stderr)

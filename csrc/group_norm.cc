@@ -114,6 +114,22 @@ void ExpandGroups(const GnShape& s, const float* per_group, int64_t n_begin, int
     for (int64_t c = 0; c < s.C; ++c) out[n * s.C + c] = per_group[n * s.G + c / s.Cg];
 }
 
+// Per-(n, c) coefficients of the normalized, scaled and shifted value
+// z = (x - mean) a + b: a = rstd[n, g] w[c], b = bias[c] (w, bias: the
+// sample's parameter rows, absent: 1 and 0).
+void AffineCoefficients(const GnShape& s, const float* rstd, const float* w, const float* bias,
+                        float* a, float* b) {
+  ExpandGroups(s, rstd, 0, s.N, a);
+  for (int64_t n = 0; n < s.N; ++n) {
+    const float* wn = s.ParamRow(w, n);
+    const float* bn = s.ParamRow(bias, n);
+    for (int64_t c = 0; c < s.C; ++c) {
+      if (wn) a[n * s.C + c] *= wn[c];
+      b[n * s.C + c] = bn ? bn[c] : 0.f;
+    }
+  }
+}
+
 // Per-(n, c) backward coefficients: dx = a dy - b - k (x - mean) where
 //   a = rstd gamma[c],  b = rstd mean(g),  k = rstd^2 mean(g xhat),
 // i.e. rstd * (g - mean(g) - xhat * mean(g xhat)) with xhat = (x - mean) rstd.
@@ -359,15 +375,7 @@ void GroupNormApplyNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, con
   const size_t nc = static_cast<size_t>(s.N * s.C);
   std::vector<float> mu_c(nc), a_c(nc), b_c(nc);
   ExpandGroups(s, mean, 0, s.N, mu_c.data());
-  ExpandGroups(s, rstd, 0, s.N, a_c.data());
-  for (int64_t n = 0; n < s.N; ++n) {
-    const float* wn = s.ParamRow(w, n);
-    const float* bn = s.ParamRow(b, n);
-    for (int64_t c = 0; c < s.C; ++c) {
-      if (wn) a_c[n * s.C + c] *= wn[c];
-      b_c[n * s.C + c] = bn ? bn[c] : 0.f;
-    }
-  }
+  AffineCoefficients(s, rstd, w, b, a_c.data(), b_c.data());
   ForEachHwChunk(pool, s, ChunksPerSample(s), 0, s.N, [&](int64_t n, int64_t hb, int64_t he,
                                                           int64_t) {
     const float* mu = mu_c.data() + n * s.C;
@@ -462,15 +470,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
   if constexpr (A != kIdentity) {
     za_c.resize(nc);
     zb_c.resize(nc);
-    ExpandGroups(s, rstd, 0, s.N, za_c.data());
-    for (int64_t n = 0; n < s.N; ++n) {
-      const float* gn = s.ParamRow(gamma, n);
-      const float* bn = s.ParamRow(beta, n);
-      for (int64_t c = 0; c < s.C; ++c) {
-        if (gn) za_c[n * s.C + c] *= gn[c];
-        zb_c[n * s.C + c] = bn ? bn[c] : 0.f;
-      }
-    }
+    AffineCoefficients(s, rstd, gamma, beta, za_c.data(), zb_c.data());
   }
   // [db | ds] column sums of one sample side by side, in one pass over x, dy.
   std::vector<float> both(2 * nc);

@@ -244,6 +244,134 @@ def plot_timings(rows: list[dict], title: str = ""):
   return fig
 
 
+# ----------------------------------------------------------------------------
+# The residual form (add_layer_norm / add_rms_norm): benchmarks/bench_cpu.py and bench_gpu.py
+# --residual.
+
+
+def residual_variants(kind, dtype):
+  """Forward + backward of a pre-norm block's residual add and norm, three ways: ``{name: fn}``.
+
+  Each ``fn(x, r, w, b, dy, dh)`` returns y, h and the gradients of x, r
+  and the parameters for the cotangents ``dy`` (of y) and ``dh`` (of h,
+  from the next block): ``fused`` is :func:`jax_normgrad.add_layer_norm` /
+  ``add_rms_norm``; ``unfused`` is this package's ``layer_norm(x +
+  residual)`` (the add and the backward's ``dx + dh`` as XLA passes around
+  the kernels); ``xla`` is XLA's autodiff of the jnp code (float32 math,
+  as _bench's jnp layers).
+  """
+  centered = kind == "ln"
+  fused = (lambda x, r, w, b: jn.add_layer_norm(x, r, w, b)) if centered else (
+      lambda x, r, w, b: jn.add_rms_norm(x, r, w))
+
+  def unfused(x, r, w, b):
+    h = x + r
+    return (jn.layer_norm(h, w, b) if centered else jn.rms_norm(h, w)), h
+
+  def xla(x, r, w, b):
+    h = x + r
+    return (jnp_layer_norm(h, w, b) if centered else jnp_rms_norm(h, w)), h
+
+  def step(f):
+    def run(x, r, w, b, dy, dh):
+      out, vjp = jax.vjp(f, x, r, w, b)
+      return out, vjp((dy, dh))
+    return jax.jit(run)
+
+  return {name: step(f) for name, f in (("fused", fused), ("unfused", unfused), ("xla", xla))}
+
+
+def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0):
+  """One residual row: each variant's median over interleaved rounds, and the ratios to fused."""
+  rows_, hidden = shape
+  k = jax.random.split(jax.random.key(0), 6)
+  x, r, dy, dh = (jax.random.normal(ki, shape, jnp.float32).astype(dtype) for ki in k[:4])
+  w = (1 + 0.1 * jax.random.normal(k[4], (hidden,), jnp.float32)).astype(dtype)
+  b = (0.1 * jax.random.normal(k[5], (hidden,), jnp.float32)).astype(dtype)
+  variants = residual_variants(kind, dtype)
+  per_round = max(1, -(-iters // rounds))
+  samples = {name: [] for name in variants}
+  for rnd in range(rounds):
+    for name, fn in variants.items():
+      time.sleep(settle_s)
+      samples[name] += call_times_ms(fn, x, r, w, b, dy, dh, warmup=3 if rnd == 0 else 1,
+                                            iters=per_round)
+  row = {"workload": f"add_{'layer' if kind == 'ln' else 'rms'}_norm {rows_}x{hidden} "
+                     f"{jnp.dtype(dtype).name}", "shape": list(shape),
+         "dtype": jnp.dtype(dtype).name, "rounds": rounds}
+  for name, times in samples.items():
+    row[f"{name}_ms"] = float(np.median(times))
+  row["unfused_vs_fused"] = row["unfused_ms"] / row["fused_ms"]
+  row["xla_vs_fused"] = row["xla_ms"] / row["fused_ms"]
+  return row
+
+
+def mlp_stack_step(fused, layers, hidden, ffn, dtype, tokens=4096):
+  """A pre-norm stack of MLP blocks (RMSNorm, dense, gelu, dense, residual add): its jitted SGD step.
+
+  ``fused``: each block's residual add and the next norm are one
+  :func:`jax_normgrad.add_rms_norm`; else ``h = h + out`` and
+  :func:`jax_normgrad.rms_norm` (this package's kernels either way).
+  Returns ``(step, params, batch)``; ``step(params, batch)`` is the jitted
+  ``value_and_grad`` of the mean-square loss of the last norm's output
+  plus the SGD update of the parameters.
+  """
+  k = jax.random.split(jax.random.key(0), 2 * layers + 1)
+  params = {"norm": [jnp.ones((hidden,), jnp.float32) for _ in range(layers + 1)],
+            "w1": [(jax.random.normal(k[2 * i], (hidden, ffn), jnp.float32) / hidden ** 0.5)
+                   for i in range(layers)],
+            "w2": [(jax.random.normal(k[2 * i + 1], (ffn, hidden), jnp.float32) / ffn ** 0.5)
+                   for i in range(layers)]}
+
+  def loss(params, x):
+    h = x
+    y = jn.rms_norm(h, params["norm"][0].astype(dtype))
+    for i in range(layers):
+      out = jax.nn.gelu(y @ params["w1"][i].astype(dtype)) @ params["w2"][i].astype(dtype)
+      w = params["norm"][i + 1].astype(dtype)
+      if fused:
+        y, h = jn.add_rms_norm(out, h, w)
+      else:
+        h = h + out
+        y = jn.rms_norm(h, w)
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+  @jax.jit
+  def step(params, x):
+    value, grads = jax.value_and_grad(loss)(params, x)
+    return value, jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+
+  return step, params, jax.random.normal(k[-1], (tokens, hidden), jnp.float32).astype(dtype)
+
+
+def measure_stack(dtype, iters, rounds=3, settle_s=0.0, layers=4, hidden=1024, ffn=256,
+                  tokens=4096):
+  """The MLP stack's training step with and without the fused form, interleaved rounds."""
+  variants = {name: mlp_stack_step(name == "fused", layers, hidden, ffn, dtype, tokens)
+              for name in ("fused", "unfused")}
+  per_round = max(1, -(-iters // rounds))
+  samples = {name: [] for name in variants}
+  for rnd in range(rounds):
+    for name, (step, params, x) in variants.items():
+      time.sleep(settle_s)
+      samples[name] += call_times_ms(step, params, x, warmup=2 if rnd == 0 else 1,
+                                            iters=per_round)
+  row = {"workload": f"mlp stack step {layers}x({tokens}x{hidden}, ffn {ffn}) {jnp.dtype(dtype).name}",
+         "dtype": jnp.dtype(dtype).name, "rounds": rounds}
+  for name, times in samples.items():
+    row[f"{name}_ms"] = float(np.median(times))
+  row["unfused_vs_fused"] = row["unfused_ms"] / row["fused_ms"]
+  return row
+
+
+def print_residual_rows(rows):
+  """One line per residual / stack row: fused, unfused (and XLA) ms and their ratios to fused."""
+  for r in rows:
+    xla = f" {r['xla_ms']:8.2f}  {r['xla_vs_fused']:5.2f}x" if "xla_ms" in r else ""
+    print(f"{r['workload']:48s} fused {r['fused_ms']:8.2f}  unfused {r['unfused_ms']:8.2f} "
+          f" {r['unfused_vs_fused']:5.2f}x" + (f" | XLA{xla}" if xla else ""), flush=True)
+
+
 def versions() -> dict:
   import platform
   import os

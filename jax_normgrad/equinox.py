@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ from jax_normgrad import _layers
 # fields and leaves (``weight``, ``bias``), so ``eqx.tree_serialise_leaves`` checkpoints
 # load unchanged; ``implementation`` is one more static field. Needs the ``equinox``
 # extra; ``import jax_normgrad`` does not import this module.
-__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "patch"]
+__all__ = ["AddLayerNorm", "AddRMSNorm", "GroupNorm", "LayerNorm", "RMSNorm", "patch"]
 
 # equinox's classes, bound once at import: ``patch()`` replaces ``equinox.nn.LayerNorm``
 # and the others, so a drop-in reaches the class it subclasses through these, never
@@ -166,6 +168,73 @@ class GroupNorm(_GroupNorm):
                                channels_last=False, eps=self.eps, out_dtype=x.dtype,
                                implementation=self.implementation, activation=self.activation)
     return _with_state(out, state)
+
+
+def _add_call(mdl, plain, x, residual, state, key, *, centered: bool):
+  """AddLayerNorm / AddRMSNorm ``__call__``: the fused kernels, or the add before the plain drop-in."""
+  x = jnp.asarray(x)
+  reason = None
+  if x.shape != mdl.shape:
+    # The plain layer raises equinox's error for the shape.
+    return plain.__call__(mdl, x + jnp.asarray(residual), key=key)
+  reason = _fallback_reason(x)
+  if reason is None and not centered and mdl.use_bias and x.dtype != jnp.float32:
+    # The RMSNorm kernels have no bias: with a 16-bit y, adding it after would round y twice.
+    reason = f"a bias with a {x.dtype} x (the fused RMSNorm has no bias term)"
+  weight = _f32(mdl.weight) if mdl.use_weight else None
+  bias = _f32(mdl.bias) if mdl.use_bias else None
+  name = f"jax_normgrad.equinox.{type(mdl).__name__}"
+  with jax.named_scope(name):
+    y, h = _layers.add_norm(name, x, residual, weight, bias if centered else None, begin=0,
+                            eps=mdl.eps, centered=centered, residual_dtype=mdl.residual_dtype,
+                            implementation=mdl.implementation, reason=reason,
+                            plain=lambda h: plain.__call__(mdl, h, key=key).astype(x.dtype))
+  if not centered and reason is None and bias is not None:
+    y = y + bias  # float32 x and y: one float32 add, as equinox's
+  return _with_state((y, h), state)
+
+
+_ADD_DOC = _layers.ADD_NORM_INTRO + """
+      y, h = self.norm(attn_out, h)   # was: h = h + attn_out; y = self.norm(h)
+
+  ``{cls}(shape, *args, residual_dtype=None, implementation=None, **kwargs)``:
+  the plain drop-in's (``equinox.nn.{base}``'s) arguments, leaves and
+  checkpoints, plus ``residual_dtype``. Call ``layer(x, residual, state=...,
+  *, key=None)`` -> ``(y, h)``, or ``((y, h), state)`` when a state is passed;
+  x and residual have the layer's ``shape`` (``jax.vmap`` over a batch).
+  Where the fused kernels do not apply ({extra}a dtype other than float32,
+  float16, bfloat16; a zero-sized x) a one-time ``FallbackWarning`` says so
+  and the add runs before the plain drop-in (y then normalizes the rounded h).
+"""
+
+
+class AddLayerNorm(LayerNorm):
+  __doc__ = "Residual add + :class:`LayerNorm` fused (equinox)." + _ADD_DOC.format(
+      fn="add_layer_norm", cls="AddLayerNorm", base="LayerNorm", extra="")
+
+  residual_dtype: Any = eqx.field(static=True, default=None)
+
+  def __init__(self, *args, residual_dtype=None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.residual_dtype = residual_dtype
+
+  def __call__(self, x, residual, state=_NO_STATE, *, key=None):  # pylint: disable=arguments-differ
+    return _add_call(self, LayerNorm, x, residual, state, key, centered=True)
+
+
+class AddRMSNorm(RMSNorm):
+  __doc__ = "Residual add + :class:`RMSNorm` fused (equinox)." + _ADD_DOC.format(
+      fn="add_rms_norm", cls="AddRMSNorm", base="RMSNorm",
+      extra="a bias, equinox's default, with a 16-bit x: the fused RMSNorm has no bias term; ")
+
+  residual_dtype: Any = eqx.field(static=True, default=None)
+
+  def __init__(self, *args, residual_dtype=None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.residual_dtype = residual_dtype
+
+  def __call__(self, x, residual, state=_NO_STATE, *, key=None):  # pylint: disable=arguments-differ
+    return _add_call(self, RMSNorm, x, residual, state, key, centered=False)
 
 
 def patch() -> _layers.Patch:

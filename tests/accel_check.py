@@ -174,6 +174,26 @@ def _op_cases():
   return cases
 
 
+def _residual_cases():
+  """The residual form's fused kernels (x and residual in, h and y out; dh into dx), forward and
+  backward, at a transformer's shape: LayerNorm float32 and bfloat16, RMSNorm bfloat16 with a
+  float32 residual stream (residual_dtype=float32)."""
+  x32, xbf, p = _s((8192, 1024)), _s((8192, 1024), BF16), _s((1024,))
+
+  def grad(fn, **kw):
+    def loss(x, r, *params):
+      y, h = fn(x, r, *params, **kw)
+      return jnp.sum(y.astype(F32) ** 2) + jnp.sum(jnp.sin(h.astype(F32)))
+    return jax.grad(loss, argnums=tuple(range(2 + (fn is jn.add_layer_norm) * 2)))
+
+  return [
+      Case("grad(add_layer_norm) 8192x1024 float32", grad(jn.add_layer_norm), (x32, x32, p, p), 2),
+      Case("grad(add_layer_norm) 8192x1024 bfloat16", grad(jn.add_layer_norm), (xbf, xbf, p, p), 2),
+      Case("grad(add_rms_norm) 8192x1024 bfloat16, residual_dtype=float32",
+           grad(lambda x, r: jn.add_rms_norm(x, r, residual_dtype=F32)), (xbf, x32), 2),
+  ]
+
+
 def _cases() -> list[Case]:
   cases = []
   for dtype in (F32, BF16, F16):
@@ -185,7 +205,7 @@ def _cases() -> list[Case]:
     cases += _gn_cases((8, 16, 16, 320), 32, -1, dtype)    # C not a multiple of 128
   cases += _gn_cases((4, 512, 64, 64), 32, 1, F32) + _gn_cases((4, 64, 64, 512), 32, -1, F32)
   cases += _gn_cases((2, 96, 7, 9), 3, 1, BF16) + _gn_cases((2, 7, 9, 96), 3, -1, BF16)
-  return cases + _op_cases()
+  return cases + _op_cases() + _residual_cases()
 
 
 CASES: list[Case] = _cases()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 
@@ -109,3 +110,13 @@ def needs_mosaic_gpu(obj):
   from jax_normgrad import _compat  # pylint: disable=g-import-not-at-top
   missing = _compat.mosaic_gpu_api_missing()
   return pytest.mark.skipif(missing is not None, reason=str(missing))(obj)
+
+
+def child_env(**extra) -> dict:
+  """The environment for a test's child ``python -m pytest``: this one, plus ``extra``, less
+  ``PYTEST_ADDOPTS``. CI sets ``PYTEST_ADDOPTS="-n auto"`` (pytest-xdist) for the suite; the
+  child runs whole inside one worker, serially, and its own plugins (the third-party suites'
+  patch counter) see every test in one process."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+  env.update(extra)
+  return env

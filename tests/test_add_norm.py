@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jax_normgrad as jn
-from cases import random, rotate
+from jax_normgrad.pallas import config, gpu as pallas_gpu, tpu as pallas_tpu
+from cases import export_for, needs_mosaic_gpu, random, rotate
 import reference_np as ref
 from tolerances import assert_close
 
@@ -68,17 +69,20 @@ class AddNormTests:
 
   implementation = None
 
-
   def _run(self, fn, *args):
     with warnings.catch_warnings():
-      # The Pallas lowering announces its unfused add once (FallbackWarning).
-      warnings.simplefilter("ignore", jn.FallbackWarning)
+      # Every implementation runs the residual form itself: no fallback.
+      warnings.simplefilter("error", jn.FallbackWarning)
       return fn(*args)
+
+  def _narrow(self, case, centered):
+    """Skips the (case, centered) pairs a slow (interpreted) subclass leaves to another."""
 
   @pytest.mark.parametrize("centered", [True, False])
   @pytest.mark.parametrize("case", range(len(CASES)))
   def test_forward_and_gradients(self, rng, centered, case):
     """y and h of the exact float32 sum; one gradient for x and residual, plus dh; parameter gradients."""
+    self._narrow(case, centered)
     shape, norm_shape, params, dtype, res_dtype, h_dtype = CASES[case]
     if not centered:
       params = params.replace("b", "")
@@ -194,6 +198,14 @@ class TestAddNormDefault(AddNormTests):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, r, w, b).as_text()
     assert text.count('jax_normgrad_layer_norm_fwd') == 1
     assert text.count('jax_normgrad_layer_norm_bwd') == 1
+    # A zero cotangent stays symbolic: an unread h (the last block's) adds no dh operand (no
+    # tensor of zeros written and read); an unread y runs no backward kernel, dh passes through.
+    y_only = lambda x, r: jnp.sum(jn.add_layer_norm(x, r)[0])
+    text = jax.jit(jax.grad(y_only, argnums=(0, 1))).lower(x, r).as_text()
+    assert "has_dh = false" in text and "has_dh = true" not in text
+    h_only = lambda x, r: jnp.sum(jn.add_layer_norm(x, r)[1] ** 2)
+    assert 'jax_normgrad_layer_norm_bwd' not in jax.jit(jax.grad(h_only)).lower(x, r).as_text()
+    np.testing.assert_array_equal(jax.grad(h_only, argnums=1)(x, r), 2 * (x + r))
     # add_rms_norm: the same kernels (centered=False).
     text = jax.jit(lambda x, r: jn.add_rms_norm(x, r)).lower(x, r).as_text()
     assert 'jax_normgrad_layer_norm_fwd' in text and 'stablehlo.add' not in text
@@ -223,16 +235,104 @@ class TestAddNormXla(AddNormTests):
   implementation = "xla"
 
 
-class TestAddNormPallas(AddNormTests):
-  implementation = "pallas"
+class PallasAddNormTests(AddNormTests):
+  """The Pallas kernels, interpreted on CPU (``backend``: which kernel set, "gpu" = Triton or "tpu").
 
-  def test_fallback_is_announced(self, rng):
-    """The Pallas path's unfused add says so (FallbackWarning)."""
-    from jax_normgrad import _implementation
-    _implementation._warn_once.cache_clear()
-    x, r, _, _ = _inputs(rng, (2, 8), (8,), "", F32, None)
-    with pytest.warns(jn.FallbackWarning, match="residual add"):
-      jax.jit(lambda x, r: jn.add_rms_norm(x, r, implementation="pallas")).lower(x, r)
+  Interpreted kernels are slow: the two subclasses split the forward /
+  gradient cases between them (``half``), and the vmap and second-order
+  tests run on the faster TPU interpretation only (their kernel code is the
+  plain path's; what the residual adds is covered by the other tests).
+  """
+
+  implementation = "pallas"
+  backend = None
+  half = 0
+  slow = ()  # tests this subclass skips
+
+  @pytest.fixture(autouse=True)
+  def _interpreted(self, request):
+    if request.node.originalname in self.slow:
+      pytest.skip(f"left to the other interpreted kernel set ({self.backend} runs the rest)")
+    jax.clear_caches()
+    with config.override(interpret_backend=self.backend):
+      yield
+    jax.clear_caches()
+
+  def _narrow(self, case, centered):
+    if (case + centered) % 2 != self.half:
+      pytest.skip(f"interpreted {self.backend} kernels: half of the cases, the other kernel set "
+                  "runs the rest")
+
+  def test_the_fused_kernels_run(self, rng, monkeypatch):
+    """The forward kernel reads the residual and writes h; the backward kernel adds dh (no
+    XLA adds around an unchanged kernel), with chunked segments too (tiny tiles)."""
+    module = pallas_gpu if self.backend == "gpu" else pallas_tpu
+    seen = []
+    for name, flag in (("_fwd_kernel", "has_residual"), ("_normalize_kernel", "has_residual"),
+                       ("_moments_kernel", "has_residual"), ("_bwd_kernel", "has_dh")):
+      kernel = getattr(module, name, None)
+      if kernel is not None:
+        def spy(*refs, _kernel=kernel, _flag=flag, _name=name, **kw):
+          seen.append((_name, kw.get(_flag)))
+          return _kernel(*refs, **kw)
+        monkeypatch.setattr(module, name, spy)
+    x, r, w, b = _inputs(rng, (3, 300), (300,), "wb", BF16, F32)
+    dy, dh = random(rng, x.shape, BF16), random(rng, x.shape, F32)
+    with config.override(interpret_backend=self.backend, gpu_max_tile_bwd=256,
+                         gpu_max_tile_fwd=256, tpu_block_elems=2048):
+      (y, h), vjp = self._run(lambda: jax.vjp(
+          lambda *a: jn.add_layer_norm(*a, residual_dtype=F32, implementation="pallas"),
+          x, r, w, b))
+      gx, gr, gw, gb = self._run(lambda: vjp((dy, dh)))
+    assert ("_bwd_kernel", True) in seen and all(flag for _, flag in seen), seen
+    assert any(n in ("_fwd_kernel", "_normalize_kernel") for n, _ in seen), seen
+    y_ref, _, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, F32, EPS)
+    assert_close(y, y_ref, BF16, 300, "y")
+    np.testing.assert_array_equal(_f64(h), h_ref)
+    dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, h_ref, 1, mean, rstd, _f64(w))
+    assert_close(gx, dx_ref + _f64(dh), BF16, 300, "grad x",
+                 scale=ref.dx_scale(dy, rstd, _f64(w)) + float(np.max(np.abs(_f64(dh)))))
+    np.testing.assert_array_equal(np.asarray(gx.astype(F32)), np.asarray(gr.astype(BF16).astype(F32)))
+    assert_close(gw, dw_ref, BF16, 3, "grad weight")
+    assert_close(gb, db_ref, BF16, 3, "grad bias")
+
+
+class TestAddNormPallas(PallasAddNormTests):
+  backend, half = "gpu", 0
+  slow = ("test_vmap_batched_residual_and_weights", "test_second_order")
+
+
+class TestAddNormPallasTpu(PallasAddNormTests):
+  backend, half = "tpu", 1
+
+
+TRITON = "__gpu$xla.gpu.triton"
+CUSTOM_CALL = {"cuda": TRITON, "tpu": "tpu_custom_call"}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("centered,dtype", [(True, BF16), (False, F32)])
+def test_pallas_export_lowers_to_the_fused_kernels(platform, centered, dtype):
+  """Exported for GPU / TPU, the residual form is the platform's Pallas kernels with the adds
+  inside them: no FallbackWarning and no tensor-sized add (or float32 copy) around them."""
+  s = lambda shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
+
+  def loss(x, r, w):
+    y, h = _call(centered, x, r, w, None)
+    return jnp.sum(y.astype(F32)) + jnp.sum(jnp.sin(h.astype(F32)))
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jn.FallbackWarning)
+    text = export_for(platform, jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                      (s((16, 1000)), s((16, 1000)), s((1000,), F32)),
+                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+                      ).mlir_module()
+  assert CUSTOM_CALL[platform] in text
+  assert "jax_normgrad_norm_fwd" in text and "jax_normgrad_norm_bwd" in text
+  assert "custom_call @jax_normgrad_" not in text  # no CPU kernel
+  # The loss's own converts (h to float32) aside, no tensor-sized add: h = x + residual and
+  # dx + dh are in the kernels.
+  assert not [l for l in text.splitlines() if "stablehlo.add" in l and "16x1000" in l]
 
 
 class TestAddNormValidation:
@@ -256,6 +356,12 @@ class TestAddNormValidation:
       jn.add_rms_norm(x, x, eps=-1.0)
     with pytest.raises(ValueError, match="implementation"):
       jn.add_rms_norm(x, x, implementation="cuda")
+    # The primitive: no xhat output with a residual (the docstring of primitives.layer_norm).
+    from jax_normgrad.primitives.layer_norm import layer_norm_fwd_p
+    with pytest.raises(ValueError, match="write_xhat: not available with has_residual"):
+      layer_norm_fwd_p.bind(x, x, eps=1e-5, centered=True, has_weight=False, has_bias=False,
+                            param_groups=1, write_xhat=True, y_dtype=None, implementation="xla",
+                            has_residual=True, h_dtype=None)
 
 
 class TestAddNormDropins:
@@ -303,3 +409,23 @@ class TestAddNormDropins:
       layer = cls(32, residual_dtype=F32, dtype=BF16, param_dtype=BF16, rngs=nnx.Rngs(0))
       y, h = layer(x.astype(BF16), r.astype(BF16))
       assert y.dtype == BF16 and h.dtype == F32
+
+
+@needs_mosaic_gpu
+def test_pallas_mosaic_gpu_adds_around_its_kernels_announced(rng):
+  """The Mosaic GPU kernels do not fuse the residual yet: the adds run as XLA fusions around
+  them, on float32 copies (same numbers as the reference), with a FallbackWarning."""
+  from jax_normgrad import _implementation
+  _implementation._warn_once.cache_clear()
+  x, r, w, b = _inputs(rng, (8, 128), (128,), "wb", BF16, None)
+  dy, dh = random(rng, x.shape, BF16), random(rng, x.shape, BF16)
+
+  def run(impl):
+    (y, h), vjp = jax.vjp(lambda *a: jn.add_layer_norm(*a, implementation=impl), x, r, w, b)
+    return (y, h) + vjp((dy, dh))
+
+  with pytest.warns(jn.FallbackWarning, match="mosaic_gpu kernels do not fuse the residual add"):
+    got = run("mosaic_gpu")
+  for a, c in zip(got, run("xla")):
+    np.testing.assert_allclose(np.asarray(a.astype(F32)), np.asarray(c.astype(F32)),
+                               rtol=2e-2, atol=2e-2)

@@ -99,3 +99,20 @@ def test_bench_gpu_rows_are_the_issues():
       assert {(kind, shape, "bfloat16"), (kind, shape, "float32")} <= names
   assert ("gn", (8, 256, 64, 64, 32), "float32") in names
   assert ("gn_nhwc", (8, 256, 64, 64, 32), "float32") in names
+
+
+def test_bench_gpu_residual_smoke_run(tmp_path, capsys):
+  """--residual: the fused form's rows (fused, unfused, XLA) and the pre-norm stack's step."""
+  import json
+  bench_gpu = _load_script("bench_gpu.py")
+  out = tmp_path / "gpu.json"
+  assert bench_gpu.main(["--smoke", "--residual", "--iters", "1", "--rounds", "1",
+                         "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert len(rows) == len(bench_gpu.SMOKE_RESIDUAL_ROWS) + 2
+  for r in rows:
+    assert r["unfused_vs_fused"] == pytest.approx(r["unfused_ms"] / r["fused_ms"])
+    if "xla_ms" in r:
+      assert r["xla_vs_fused"] == pytest.approx(r["xla_ms"] / r["fused_ms"])
+  text = capsys.readouterr().out
+  assert "add_rms_norm 16x72 bfloat16" in text and "mlp stack step 2x(32x64, ffn 32)" in text

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dropin import (assert_matches_original, assert_trees_close, cotangent, expect_fallback,
@@ -130,3 +131,41 @@ def test_equinox_group_norm_activation_is_equinox_then_the_activation():
   assert_trees_close((ours_out[1][0].weight, ours_out[1][0].bias),
                      (theirs_out[1][0].weight, theirs_out[1][0].bias), "grad weight, bias")
   assert calls == 2 and ours.activation == "gelu"
+
+
+@pytest.mark.parametrize("name,plain", [("AddLayerNorm", "LayerNorm"), ("AddRMSNorm", "RMSNorm")])
+def test_equinox_add_norm(name, plain):
+  """AddLayerNorm / AddRMSNorm: the plain layer's leaves and checkpoints, (y, h) of the fused
+  kernels (one forward custom call) equal to the plain layer on x + residual, and its gradients."""
+  cls = getattr(je, name)
+  ours, theirs = cls(32), random_like(getattr(eqx.nn, plain)(32))
+  assert isinstance(ours, getattr(eqx.nn, plain))
+  buf = io.BytesIO()
+  eqx.tree_serialise_leaves(buf, theirs)
+  buf.seek(0)
+  ours = eqx.tree_deserialise_leaves(buf, ours)
+  x, r = normal((6, 32), F32), normal((6, 32), F32)
+
+  def loss(layer, x, r):
+    y, h = jax.vmap(layer)(x, r)
+    return jnp.sum(jnp.sin(y)) + jnp.sum(h * h)
+
+  def plain_loss(layer, x, r):
+    return jnp.sum(jnp.sin(jax.vmap(layer)(x + r))) + jnp.sum((x + r) ** 2)
+
+  with expect_fallback(False):
+    (y, h), state = ours(x[0], r[0], state="s")
+    assert state == "s" and y.shape == h.shape == (32,)
+    y, h = jax.vmap(ours)(x, r)
+    got = eqx.filter_jit(eqx.filter_grad(loss))(ours, x, r)
+    text = eqx.filter_jit(eqx.filter_grad(loss)).lower(ours, x, r).as_text()
+  assert text.count("jax_normgrad_layer_norm_fwd") == 1
+  assert_trees_close(y, jax.vmap(theirs)(x + r), "y")
+  np.testing.assert_array_equal(h, x + r)
+  assert_trees_close(got, eqx.filter_grad(plain_loss)(theirs, x, r), "gradients")
+  # bfloat16 with residual_dtype=float32; AddRMSNorm's bias (equinox's default) with a
+  # 16-bit x falls back, announced.
+  layer = cls(32, residual_dtype=F32)
+  with expect_fallback(name == "AddRMSNorm"):
+    y, h = jax.vmap(layer)(x.astype(BF16), r.astype(BF16))
+  assert y.dtype == BF16 and h.dtype == F32

@@ -55,6 +55,9 @@ def _layers(impl):
       "group_norm_nhwc": (lambda x, w, b: jn.group_norm(x, 2, w, b, channel_axis=-1,
                                                         implementation=impl),
                           lambda x, w, b: gn_jnp(x, 2, w, b, -1), (2, 3, 4), (4,)),
+      "group_norm_silu": (lambda x, w, b: jn.group_norm(x, 2, w, b, channel_axis=-1,
+                                                        activation="silu", implementation=impl),
+                          lambda x, w, b: jax.nn.silu(gn_jnp(x, 2, w, b, -1)), (2, 3, 4), (4,)),
   }
 
 

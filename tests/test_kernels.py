@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cases
 import jax_normgrad as jn
 from jax_normgrad import _ffi
 
@@ -311,7 +312,7 @@ def test_other_isa_builds_are_correct_too(isa):
     pytest.skip(f"this CPU or build has no {isa} kernels")
   if isa == _default_isa():
     pytest.skip(f"{isa} is the default build here, tested by the whole suite")
-  env = dict(os.environ, JAX_NORMGRAD_ISA=isa)
+  env = cases.child_env(JAX_NORMGRAD_ISA=isa)
   here = os.path.dirname(__file__)
   code = f"import jax_normgrad._ffi as f; assert f.isa() == {isa!r}, f.isa()"
   subprocess.run([sys.executable, "-c", code], env=env, check=True)

@@ -150,6 +150,10 @@ def test_vmap_group_norm_batched_params(rng):
     ours = jax.vmap(g(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=cl)))(xx, w, b)
     theirs = jax.vmap(g(lambda x, w, b: jnp_group_norm(x, 4, w, b, cl)))(xx, w, b)
     _assert_tree_close(ours, theirs)
+  # With the fused activation: per-example weights and biases reach z = xhat * w + b.
+  ours = jax.vmap(g(lambda x, w, b: jn.group_norm(x, 4, w, b, activation="gelu")))(x, w, b)
+  theirs = jax.vmap(g(lambda x, w, b: jax.nn.gelu(jnp_group_norm(x, 4, w, b))))(x, w, b)
+  _assert_tree_close(ours, theirs)
 
 
 def test_vmap_of_backward_ops(rng):

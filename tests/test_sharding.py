@@ -26,7 +26,7 @@ def test_on_eight_devices():
   """Runs the 8-device tests below in a child process and requires them all to pass."""
   if IN_CHILD:
     pytest.skip("this is the child process")
-  env = dict(os.environ, **{_CHILD: "1"})
+  env = cases.child_env(**{_CHILD: "1"})
   flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   env["XLA_FLAGS"] = flags.strip()
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
@@ -171,13 +171,14 @@ def test_add_layer_norm_sharded_jit_and_shard_map(check_vma):
 
 
 @eight
-@pytest.mark.parametrize("channel_axis", [1, -1])
-def test_group_norm_batch_sharded(channel_axis):
+@pytest.mark.parametrize("channel_axis,activation", [(1, None), (-1, None), (-1, "silu")])
+def test_group_norm_batch_sharded(channel_axis, activation):
   mesh = _mesh((8,), ("d",))
   shape = (16, 32, 4, 4) if channel_axis == 1 else (16, 4, 4, 32)
   x = _normal(3, shape)
   w, b = 1.0 + 0.1 * _normal(4, (32,)), 0.1 * _normal(5, (32,))
-  loss = lambda x, w, b: jnp.sum(jn.group_norm(x, 8, w, b, channel_axis=channel_axis) ** 3)
+  loss = lambda x, w, b: jnp.sum(jn.group_norm(x, 8, w, b, channel_axis=channel_axis,
+                                               activation=activation) ** 3)
   g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   args = (_put(x, mesh, "d"), _put(w, mesh), _put(b, mesh))
   _close(g(*args), g(x, w, b), atol=1e-3)

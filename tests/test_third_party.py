@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+import cases
+
 pytest.importorskip("flax")
 pytest.importorskip("equinox")
 
@@ -42,7 +44,7 @@ PATCHED = {
 @pytest.mark.parametrize("suite", list(SUITES))
 def test_library_suite_passes_under_patch(suite):
   files, select = SUITES[suite]
-  env = dict(os.environ, PYTHONPATH=str(HERE))
+  env = cases.child_env(PYTHONPATH=str(HERE))
   cmd = [sys.executable, "-m", "pytest", "-p", "jax_normgrad_patch", "-p",
          "no:cacheprovider", f"--confcutdir={HERE}", "-o", "addopts=", *files]
   if select:

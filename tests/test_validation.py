@@ -118,6 +118,8 @@ LAYER_CASES = [
     (lambda: jn.group_norm(x, 2, out_dtype=jnp.float16), TypeError, "out_dtype"),
     (lambda: jn.layer_norm_fwd(x, 10, weight=jnp.ones(10, BF16)), TypeError, "weight"),
     (lambda: jn.group_norm(gx, 4), ValueError, "group"),
+    (lambda: jn.group_norm(gx, 3, activation="tanh"), ValueError, "activation"),
+    (lambda: jn.group_norm(gx, 3, activation=jax.nn.silu), TypeError, "activation"),
     (lambda: jn.group_norm(gx, 3, channel_axis=0), ValueError, "channel_axis"),
     (lambda: jn.group_norm(gx, 3, channel_axis=3), ValueError, "channel_axis"),
     (lambda: jn.group_norm(jnp.ones(6), 3), ValueError, "x"),

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from jax_normgrad import _sharding, _validation as v
 from jax_normgrad.ops.layer_norm import _bwd, _check_forward_args, _fwd
 
+F32 = jnp.float32
+
 
 class _AddConfig(NamedTuple):
   """The static configuration of one residual-form call."""
@@ -34,7 +36,13 @@ def _add_norm_layer(x, residual, weight, bias, cfg):
   return _forward(x, residual, weight, bias, cfg)[:2]
 
 
+def _primal(a):
+  """The value of a ``symbolic_zeros`` forward rule's argument (None stays None)."""
+  return a.value if isinstance(a, jax.custom_derivatives.CustomVJPPrimal) else a
+
+
 def _add_norm_layer_fwd(x, residual, weight, bias, cfg):
+  x, residual, weight, bias = map(_primal, (x, residual, weight, bias))
   y, h, mean, rstd = _forward(x, residual, weight, bias, cfg)
   # The backward works from the stored h (the next block keeps it alive
   # anyway), float32 (M,) statistics and the small parameters: nothing else
@@ -45,26 +53,36 @@ def _add_norm_layer_fwd(x, residual, weight, bias, cfg):
 def _add_norm_layer_bwd(cfg, res, cotangents):
   h, mean, rstd, weight, bias = res
   dy, dh = cotangents
-  # The kernel reads dy in h's dtype or float32; a 16-bit dy with a float32 h
-  # (residual_dtype=float32) is widened first.
-  if dy.dtype != h.dtype and dy.dtype != jnp.float32:
-    dy = dy.astype(h.dtype)
-  mask = (True, weight is not None, bias is not None)
-  # Likewise a 16-bit weight (small: cheap to widen).
-  kernel_weight = weight
-  if weight is not None and weight.dtype not in (h.dtype, jnp.float32):
-    kernel_weight = weight.astype(jnp.float32)
-  dg, dw, db = _bwd(dy, h, mean, rstd, kernel_weight, mask, cfg.norm_ndim, cfg.implementation,
-                    centered=cfg.centered, dh=dh.astype(h.dtype))
+  # Symbolic zeros (defvjp(symbolic_zeros=True)): the last block's h, which
+  # nothing reads, has a zero cotangent; the backward then runs without dh
+  # instead of reading a materialized tensor of zeros.
+  dh = None if isinstance(dh, jax.custom_derivatives.SymbolicZero) else dh
+  if isinstance(dy, jax.custom_derivatives.SymbolicZero):
+    # y unused: only h's cotangent flows back, and the parameters get none.
+    dg = jnp.zeros(h.shape, F32) if dh is None else dh
+    dw = None if weight is None else jnp.zeros_like(weight)
+    db = None if bias is None else jnp.zeros_like(bias)
+  else:
+    # The kernel reads dy in h's dtype or float32; a 16-bit dy with a float32 h
+    # (residual_dtype=float32) is widened first.
+    if dy.dtype != h.dtype and dy.dtype != jnp.float32:
+      dy = dy.astype(h.dtype)
+    mask = (True, weight is not None, bias is not None)
+    # Likewise a 16-bit weight (small: cheap to widen).
+    kernel_weight = weight
+    if weight is not None and weight.dtype not in (h.dtype, jnp.float32):
+      kernel_weight = weight.astype(jnp.float32)
+    dg, dw, db = _bwd(dy, h, mean, rstd, kernel_weight, mask, cfg.norm_ndim, cfg.implementation,
+                      centered=cfg.centered, dh=None if dh is None else dh.astype(h.dtype))
+    dw = None if dw is None else dw.astype(weight.dtype)
+    db = None if db is None else db.astype(bias.dtype)
   # One gradient for x and residual (d h / d x = d h / d residual = 1), in each one's dtype.
   dx, dres = dg.astype(cfg.x_dtype), dg.astype(cfg.residual_dtype)
-  dw = None if dw is None else dw.astype(weight.dtype)
-  db = None if db is None else db.astype(bias.dtype)
   return (_sharding.sum_to_varying(dx, h), _sharding.sum_to_varying(dres, h),
           _sharding.sum_to_varying(dw, weight), _sharding.sum_to_varying(db, bias))
 
 
-_add_norm_layer.defvjp(_add_norm_layer_fwd, _add_norm_layer_bwd)
+_add_norm_layer.defvjp(_add_norm_layer_fwd, _add_norm_layer_bwd, symbolic_zeros=True)
 
 
 def _check_residual(residual, x):
@@ -96,9 +114,11 @@ _SHARED_DOC = """
   ``residual_dtype=float32`` (flash-attn's ``residual_in_fp32``) makes both
   exact. It writes one gradient, ``dy``'s contribution plus the incoming
   cotangent of ``h``, which is the gradient of both ``x`` and ``residual``
-  (returned in each one's dtype), plus the parameter gradients. On CPU the
-  forward is one pass (read x and residual, write h and y) and the backward
-  one pass of the LayerNorm kernels; works under ``jit``, ``vmap`` (batched
+  (returned in each one's dtype), plus the parameter gradients. The forward
+  is one kernel pass (read x and residual, write h and y) and the backward
+  one pass of the LayerNorm kernels (dh added in its output pass), on CPU
+  (FFI) and in the Pallas Triton and TPU kernels (the Mosaic GPU backend
+  still adds around its kernels, announced with a FallbackWarning); works under ``jit``, ``vmap`` (batched
   residual, per-example weights), sharded ``jit`` / ``shard_map`` (rows
   sharded) and ``grad(grad)`` as :func:`jax_normgrad.layer_norm`.
 """

@@ -242,17 +242,67 @@ def _backends():
   return gpu, tpu
 
 
+def _residual_kernels(gpu_backend: GpuBackend, seg: Segments, itemsize: int, *, backward: bool,
+                      op: str):
+  """The GPU kernel module for the residual form, and whether it fuses the residual itself.
+
+  A kernel module that fuses it sets ``FUSES_RESIDUAL`` (Triton does): its
+  ``forward`` takes ``residual`` and ``h_dtype``, its ``backward`` ``dh``. One
+  that does not (Mosaic GPU so far) gets float32 rows from XLA adds around it
+  (``_adds_outside``), announced with a FallbackWarning.
+  """
+  kernels = _gpu_kernels(gpu_backend, seg, itemsize, backward=backward, op=op)
+  if not getattr(kernels, "FUSES_RESIDUAL", False):
+    kernels = _gpu_kernels(gpu_backend, seg, 4, backward=backward, op=op)  # float32 rows
+  fused = getattr(kernels, "FUSES_RESIDUAL", False)
+  if not fused:
+    from jax_normgrad import _implementation  # pylint: disable=g-import-not-at-top
+    _implementation.warn_once(
+        f"jax_normgrad: {op}: the {kernels.__name__.rsplit('.', 1)[-1]} kernels do not fuse the "
+        "residual add: on GPU, h = x + residual (and the backward's add of h's cotangent) run as "
+        "XLA fusions around them, on float32 copies (same results, more memory traffic).")
+  return kernels, fused
+
+
+def _forward_adds_outside(x, residual, weight, bias, *, kernel_fn, h_dtype, **static):
+  """``kernel_fn``'s forward on ``h = x + residual`` summed by XLA in float32; y rounded once."""
+  h32 = x.astype(F32) + residual.astype(F32)
+  y, mean, rstd = kernel_fn(h32, weight, bias, **static)
+  return y.astype(x.dtype), mean, rstd, h32.astype(h_dtype)
+
+
+def _backward_adds_outside(dy, x, mean, rstd, gamma, beta, dh, *, kernel_fn, **static):
+  """``kernel_fn``'s backward on float32 copies, h's cotangent added to dx by XLA before its rounding."""
+  del beta  # the residual form has no activation
+  dx, dgamma, dbeta = kernel_fn(dy.astype(F32), x.astype(F32), mean, rstd, gamma, **static)
+  return (dx + dh.astype(F32)).astype(x.dtype), dgamma, dbeta
+
+
 def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dtype=None,
-            gpu_backend: GpuBackend = TRITON, op: str = "norm_fwd"):
+            gpu_backend: GpuBackend = TRITON, op: str = "norm_fwd", residual=None, h_dtype=None):
   """``(y, mean | None, rstd)``: ``y`` like x ``(n, a, b)``, statistics ``(n, groups)`` float32.
 
   y is in ``y_dtype`` (None: x's). The kernels read and write one dtype: a float32 y from a 16-bit x widens x
   first (exactly; an XLA convert), so y is rounded once.
+
+  ``residual`` (x's shape, x's dtype or float32): the kernels normalize
+  ``h = x + residual``, summed in float32 tile by tile (statistics and y from
+  the unrounded sum), and also write h in ``h_dtype`` (None: x's): the
+  result is ``(y, mean | None, rstd, h)``.
   """
   if y_dtype is not None and y_dtype != x.dtype:
     x = x.astype(y_dtype)
   gpu, tpu = _backends()
   stats = jnp.zeros((seg.n, seg.groups), F32)
+  if residual is not None:
+    h_dtype = jnp.dtype(h_dtype or x.dtype)
+    if x.size == 0:
+      return jnp.zeros_like(x), (stats if seg.centered else None), stats, jnp.zeros(x.shape, h_dtype)
+    kernels, fused = _residual_kernels(gpu_backend, seg, x.dtype.itemsize, backward=False, op=op)
+    gpu_fn = kernels.forward if fused else functools.partial(
+        _forward_adds_outside, kernel_fn=kernels.forward)
+    return dispatch(gpu_fn, tpu.forward, (x, residual, weight, bias), interpret=interpret,
+                    mosaic_gpu=kernels is not gpu, seg=seg, eps=eps, h_dtype=h_dtype)
   if x.size == 0:
     return jnp.zeros_like(x), (stats if seg.centered else None), stats
   kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=False, op=op)
@@ -261,7 +311,7 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
 
 
 def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
-             gpu_backend: GpuBackend = TRITON, op: str = "norm_bwd", beta=None):
+             gpu_backend: GpuBackend = TRITON, op: str = "norm_bwd", beta=None, dh=None):
   """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools).
 
   ``beta`` is read only with ``seg.activation`` (the kernels then take it
@@ -271,7 +321,8 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
   float32. Empty inputs give an empty ``dx`` and zero parameter gradients.
   ``dy`` may be float32 with a 16-bit x (the backward of a float32 y): the
   kernels take one dtype, so x and dy are widened (exactly) and dx is
-  rounded back to x's dtype.
+  rounded back to x's dtype. ``dh`` (x's shape; needs ``mask[0]``): added to
+  dx in float32 in the kernels' output pass, before dx's one rounding.
   """
   gpu, tpu = _backends()
   if not any(mask):
@@ -283,9 +334,17 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
   x_dtype = x.dtype
   if dy.dtype != x_dtype:
     x, dy = x.astype(F32), dy.astype(F32)
-  kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
-  params = (gamma, beta) if seg.activation is not None else (gamma,)
-  dx, dgamma, dbeta = dispatch(kernels.backward, tpu.backward, (dy, x, mean, rstd) + params,
-                               interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg,
-                               mask=tuple(mask))
+  if dh is not None:  # the residual form (rows; no activation, so no beta)
+    kernels, fused = _residual_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
+    gpu_fn = kernels.backward if fused else functools.partial(
+        _backward_adds_outside, kernel_fn=kernels.backward)
+    dx, dgamma, dbeta = dispatch(gpu_fn, tpu.backward, (dy, x, mean, rstd, gamma, None, dh),
+                                 interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg,
+                                 mask=tuple(mask))
+  else:
+    kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
+    params = (gamma, beta) if seg.activation is not None else (gamma,)
+    dx, dgamma, dbeta = dispatch(kernels.backward, tpu.backward, (dy, x, mean, rstd) + params,
+                                 interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg,
+                                 mask=tuple(mask))
   return (None if dx is None else dx.astype(x_dtype)), dgamma, dbeta

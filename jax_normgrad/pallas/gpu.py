@@ -32,6 +32,8 @@ from jax.experimental.pallas import triton as pltriton
 from jax_normgrad.pallas import common, config
 
 F32 = jnp.float32
+#: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh`` (``common._residual_kernels``).
+FUSES_RESIDUAL = True
 
 
 def _loop(lower, upper, body, init):
@@ -137,24 +139,32 @@ class _Launch:
 # Forward: y, mean, rstd
 
 
-def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: bool):
+def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: bool,
+                has_residual: bool):
   """Per segment: statistics (from the registers, or chunk by chunk), then ``y``.
 
   Chunked segments merge per-chunk moments (``common.combine_moments``) in a
-  first pass and write ``y`` in a second.
+  first pass and write ``y`` in a second. With a residual, each tile is the
+  float32 sum of the x and residual tiles: the statistics and y come from it
+  unrounded, and the pass that writes y also writes it as h.
   """
   seg = launch.seg
-  x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref = common.unpack(
-      refs, True, has_weight, has_bias, True, seg.centered, True)
+  x_ref, r_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, h_ref = common.unpack(
+      refs, True, has_residual, has_weight, has_bias, True, seg.centered, True, has_residual)
   w, g, _, start, end = launch.program()
   chunks = launch.chan_chunks * launch.space_chunks
 
   def tile(i, k):
     idx, mask = launch.window(g, *launch.chunk(k))
-    return idx, mask, _load(x_ref.at[(i,) + idx], mask)
+    x = _load(x_ref.at[(i,) + idx], mask)
+    if has_residual:
+      x = x + _load(r_ref.at[(i,) + idx], mask)
+    return idx, mask, x
 
-  def write(i, k, mean, rstd, params):
-    idx, mask, x = tile(i, k)
+  def write(i, k, mean, rstd, params, loaded=None):
+    idx, mask, x = loaded or tile(i, k)
+    if has_residual:
+      pltriton.store(h_ref.at[(i,) + idx], x.astype(h_ref.dtype), mask=mask)
     xc = x - mean if seg.centered else x
     y = common.normalize(xc, rstd, *params, activation=seg.activation)
     pltriton.store(y_ref.at[(i,) + idx], y.astype(y_ref.dtype), mask=mask)
@@ -163,11 +173,12 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
 
   def sample(i, carry):
     if launch.plan.fused:
-      _, mask, x = tile(i, 0)
+      loaded = tile(i, 0)
+      _, mask, x = loaded
       mean = jnp.sum(x) / seg.count if seg.centered else None
       xc = jnp.where(mask, x - mean, 0.0) if seg.centered else x
       rstd = common.inv_std(jnp.sum(xc * xc) / seg.count, eps)
-      write(i, 0, mean, rstd, fused_params)
+      write(i, 0, mean, rstd, fused_params, loaded if has_residual else None)
     else:
       def moments(k, state):
         _, mask, x = tile(i, k)
@@ -195,16 +206,22 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
   _loop(start, end, sample, 0)
 
 
-def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret: bool):
-  """``(y, mean | None, rstd)``; see ``common.forward``."""
+def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None):
+  """``(y, mean | None, rstd)``, or with a residual ``(x, residual, weight, bias)`` and
+  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``common.forward``."""
+  has_residual = h_dtype is not None
+  residual, weight, bias = operands if has_residual else (None, *operands)
   launch = _Launch(seg, config.gpu_plan(seg.shape, x.dtype.itemsize, backward=False), interpret)
   stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
   kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps, has_weight=weight is not None,
-                             has_bias=bias is not None)
+                             has_bias=bias is not None, has_residual=has_residual)
+  h_out = [jax.ShapeDtypeStruct(x.shape, h_dtype)] if has_residual else []
   y, *st = launch.call(kernel, [jax.ShapeDtypeStruct(x.shape, x.dtype)]
-                       + [stats] * (1 + seg.centered), x, weight, bias, interpret=interpret,
-                       name="jax_normgrad_norm_fwd")
-  return (y, *st) if seg.centered else (y, None, st[0])
+                       + [stats] * (1 + seg.centered) + h_out, x, residual, weight, bias,
+                       interpret=interpret, name="jax_normgrad_norm_fwd")
+  if not seg.centered:
+    st.insert(0, None)
+  return (y, *st)
 
 
 # ----------------------------------------------------------------------------
@@ -253,23 +270,24 @@ def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool, has_beta: bool):
 
 
 def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma: bool,
-                has_beta: bool):
+                has_beta: bool, has_dh: bool):
   """The fused backward: x and dy read once per tile, partials accumulated in registers.
 
   For each channel chunk (one, unless a segment's channels exceed a tile),
   the program walks its samples; for each it recomputes xhat from
   mean/rstd, writes dx (with c1, c2 from the tile itself when the segment is
-  one tile, else from the stats kernel) and adds ``sum dy * xhat`` and
+  one tile, else from the stats kernel; plus h's cotangent ``dh`` in the
+  residual form, before dx's rounding) and adds ``sum dy * xhat`` and
   ``sum dy`` over the non-channel axis to float32 accumulators, stored once
   per program as its partial row. No atomics: the partials are summed later.
   With a fused activation dy is first ``dy * act'(z)`` (``common.pre_activation_grad``).
   """
   seg = launch.seg
   precomputed = mask[0] and not launch.plan.fused
-  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref,
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref, dh_ref,
    dx_ref, dw_ref, db_ref) = common.unpack(
        refs, True, True, seg.centered, True, has_gamma, has_beta, precomputed and seg.centered,
-       precomputed, *mask)
+       precomputed, has_dh, *mask)
   partial_refs = [r for r in (dw_ref, db_ref) if r is not None]
   w, g, p, start, end = launch.program()
 
@@ -291,8 +309,10 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
         xhat, gg = common.xhat_and_g(x, dy, mean, rstd, gamma)
         if mask[0]:
           c1, c2 = c if c is not None else _segment_means(gg, xhat, seg)
-          pltriton.store(dx_ref.at[(i,) + idx],
-                         common.grad_input(gg, xhat, c1, c2, rstd).astype(dx_ref.dtype), mask=m)
+          dx = common.grad_input(gg, xhat, c1, c2, rstd)
+          if has_dh:
+            dx = dx + _load(dh_ref.at[(i,) + idx], m)
+          pltriton.store(dx_ref.at[(i,) + idx], dx.astype(dx_ref.dtype), mask=m)
         terms = [t for t, want in ((dy * xhat, mask[1]), (dy, mask[2])) if want]
         return tuple(a + launch.channel_sum(t) for a, t in zip(acc, terms))
 
@@ -333,7 +353,7 @@ def _sum_partials(partials, *, interpret: bool):
       name="jax_normgrad_sum_partials")(partials)
 
 
-def backward(dy, x, mean, rstd, gamma, beta=None, *, seg: common.Segments, mask,
+def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
              interpret: bool):
   """``(dx | None, dgamma | None, dbeta | None)``; see ``common.backward``."""
   plan = config.gpu_plan(seg.shape, x.dtype.itemsize, backward=True)
@@ -351,8 +371,9 @@ def backward(dy, x, mean, rstd, gamma, beta=None, *, seg: common.Segments, mask,
   out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] if mask[0] else []) + [
       partial] * sum(mask[1:])
   outs = list(launch.call(
-      functools.partial(_bwd_kernel, launch=launch, mask=mask, **flags), out_shape,
-      dy, x, mean, rstd, gamma, beta, c1, c2, interpret=interpret, name="jax_normgrad_norm_bwd"))
+      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_dh=dh is not None, **flags),
+      out_shape, dy, x, mean, rstd, gamma, beta, c1, c2, dh, interpret=interpret,
+      name="jax_normgrad_norm_bwd"))
   dx = outs.pop(0) if mask[0] else None
   return (dx,) + tuple(_sum_partials(outs.pop(0), interpret=interpret) if m else None
                        for m in mask[1:])

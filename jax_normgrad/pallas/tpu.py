@@ -313,12 +313,22 @@ def _param(ref):
 # Forward
 
 
-def _fwd_kernel(*refs, lay: _Layout, eps: float, has_weight: bool, has_bias: bool):
-  """Segments within one block: statistics and y from a single read of x."""
-  seg = lay.seg
-  x_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref = common.unpack(
-      refs, True, has_weight, has_bias, True, seg.centered, True)
+def _input(x_ref, r_ref):
+  """A block of the normalized input, float32: x, or with a residual the sum x + residual."""
   x = x_ref[...].astype(F32)
+  return x if r_ref is None else x + r_ref[...].astype(F32)
+
+
+def _fwd_kernel(*refs, lay: _Layout, eps: float, has_weight: bool, has_bias: bool,
+                has_residual: bool):
+  """Segments within one block: statistics and y from a single read of x (and the residual:
+  their float32 sum, written as h, is what is normalized)."""
+  seg = lay.seg
+  x_ref, r_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, h_ref = common.unpack(
+      refs, True, has_residual, has_weight, has_bias, True, seg.centered, True, has_residual)
+  x = _input(x_ref, r_ref)
+  if has_residual:
+    h_ref[...] = x.astype(h_ref.dtype)
   mean = lay.seg_sum(x) / seg.count if seg.centered else None
   xc = x - mean if seg.centered else x
   rstd = common.inv_std(lay.seg_sum(xc * xc) / seg.count, eps)
@@ -329,14 +339,14 @@ def _fwd_kernel(*refs, lay: _Layout, eps: float, has_weight: bool, has_bias: boo
   rstd_ref[...] = rstd
 
 
-def _moments_kernel(*refs, lay: _Layout, eps: float):
+def _moments_kernel(*refs, lay: _Layout, eps: float, has_residual: bool = False):
   """Long segments: mean and rstd merged chunk by chunk (``common.combine_moments``)."""
   seg = lay.seg
-  x_ref, mean_ref, rstd_ref, count_sc, mean_sc, m2_sc = common.unpack(
-      refs, True, seg.centered, True, seg.centered, seg.centered, True)
+  x_ref, r_ref, mean_ref, rstd_ref, count_sc, mean_sc, m2_sc = common.unpack(
+      refs, True, has_residual, seg.centered, True, seg.centered, seg.centered, True)
   ids = _ids(lay.stats_order)
   inner = lay.inner_mask(ids)
-  x = x_ref[...].astype(F32)
+  x = _input(x_ref, r_ref)
   xm = _masked(x, inner)
 
   @pl.when(lay.first(ids, lay.stats_acc))
@@ -362,11 +372,14 @@ def _moments_kernel(*refs, lay: _Layout, eps: float):
     rstd_ref[...] = common.inv_std(m2_sc[...] / seg.count, eps)
 
 
-def _normalize_kernel(*refs, lay: _Layout, has_weight: bool, has_bias: bool):
-  """Long segments, second pass: ``y`` from the finished statistics."""
-  x_ref, mean_ref, rstd_ref, w_ref, b_ref, y_ref = common.unpack(
-      refs, True, lay.seg.centered, True, has_weight, has_bias, True)
-  x = x_ref[...].astype(F32)
+def _normalize_kernel(*refs, lay: _Layout, has_weight: bool, has_bias: bool,
+                      has_residual: bool = False):
+  """Long segments, second pass: ``y`` (and h) from the finished statistics."""
+  x_ref, r_ref, mean_ref, rstd_ref, w_ref, b_ref, y_ref, h_ref = common.unpack(
+      refs, True, has_residual, lay.seg.centered, True, has_weight, has_bias, True, has_residual)
+  x = _input(x_ref, r_ref)
+  if has_residual:
+    h_ref[...] = x.astype(h_ref.dtype)
   xc = x - mean_ref[...] if mean_ref is not None else x
   y_ref[...] = common.normalize(xc, rstd_ref[...], _param(w_ref), _param(b_ref),
                                 lay.seg.activation).astype(y_ref.dtype)
@@ -376,34 +389,49 @@ def _compute_dtype(x):
   return F32 if x.dtype == jnp.float16 else x.dtype
 
 
-def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret: bool):
-  """``(y, mean | None, rstd)``; see ``common.forward``."""
+def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None):
+  """``(y, mean | None, rstd)``, or with a residual ``(x, residual, weight, bias)`` and
+  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``common.forward``."""
+  has_residual = h_dtype is not None
+  residual, weight, bias = operands if has_residual else (None, *operands)
   out_dtype = x.dtype
   x = x.astype(_compute_dtype(x))
   lay = _LAYOUTS[seg.kind](seg, x.dtype.itemsize)
   xv = x.reshape(lay.data_shape)
+  data = [("data", xv)]
+  h_out = []
+  if has_residual:
+    data.append(("data", residual.astype(_compute_dtype(residual)).reshape(lay.data_shape)))
+    h_kernel_dtype = _compute_dtype(jnp.zeros((), h_dtype))
+    h_out = [("data", jax.ShapeDtypeStruct(xv.shape, h_kernel_dtype))]
   params = [("param", None if p is None else lay.view_param(p)) for p in (weight, bias)]
   stats = jax.ShapeDtypeStruct(lay.stats_shape, F32)
   stat_outs = [("stats", stats)] * (1 + seg.centered)
   flags = dict(has_weight=weight is not None, has_bias=bias is not None)
+  y_out = [("data", jax.ShapeDtypeStruct(xv.shape, x.dtype))]
   if lay.fused:
     y, *st = _call(lay, lay.stats_order,
-                   functools.partial(_fwd_kernel, lay=lay, eps=eps, **flags),
-                   [("data", xv)] + params,
-                   [("data", jax.ShapeDtypeStruct(xv.shape, x.dtype))] + stat_outs,
+                   functools.partial(_fwd_kernel, lay=lay, eps=eps, has_residual=has_residual,
+                                     **flags),
+                   data + params, y_out + stat_outs + h_out,
                    interpret=interpret, name="jax_normgrad_norm_fwd")
+    h = st.pop() if has_residual else None
   else:
     scratch = [pltpu.VMEM(tuple(d for d in lay.stats_block if d is not None), F32)]
-    st = _call(lay, lay.stats_order, functools.partial(_moments_kernel, lay=lay, eps=eps),
-               [("data", xv)], stat_outs, interpret=interpret, name="jax_normgrad_norm_fwd_moments",
+    st = _call(lay, lay.stats_order,
+               functools.partial(_moments_kernel, lay=lay, eps=eps, has_residual=has_residual),
+               data, stat_outs, interpret=interpret, name="jax_normgrad_norm_fwd_moments",
                scratch=scratch * (3 if seg.centered else 1))
-    y, = _call(lay, lay.stats_order, functools.partial(_normalize_kernel, lay=lay, **flags),
-               [("data", xv)] + [("stats", s) for s in st] + params,
-               [("data", jax.ShapeDtypeStruct(xv.shape, x.dtype))],
-               interpret=interpret, name="jax_normgrad_norm_fwd_apply")
+    y, *h = _call(lay, lay.stats_order,
+                  functools.partial(_normalize_kernel, lay=lay, has_residual=has_residual,
+                                    **flags),
+                  data + [("stats", s) for s in st] + params, y_out + h_out,
+                  interpret=interpret, name="jax_normgrad_norm_fwd_apply")
+    h = h[0] if has_residual else None
   y = y.reshape(x.shape).astype(out_dtype)
   st = [lay.unview_stats(s) for s in st]
-  return (y, *st) if seg.centered else (y, None, st[0])
+  out = (y, *st) if seg.centered else (y, None, st[0])
+  return out + (h.reshape(x.shape).astype(h_dtype),) if has_residual else out
 
 
 # ----------------------------------------------------------------------------
@@ -445,19 +473,21 @@ def _bwd_stats_kernel(*refs, lay: _Layout, has_gamma: bool, has_beta: bool):
       ref[...] = ref[...] / seg.count
 
 
-def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool):
+def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
+                has_dh: bool = False):
   """dx from one read of x and dy; partials accumulated in the resident output block.
 
   ``c1``/``c2`` come from the block itself when segments fit in one,
-  else from the stats kernel. Partial sums skip ragged padding and the
+  else from the stats kernel. h's cotangent ``dh`` (the residual form) is
+  added to dx before its rounding. Partial sums skip ragged padding and the
   repeated blocks of steps past a program's end.
   """
   seg = lay.seg
   precomputed = mask[0] and not lay.fused
-  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref,
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref, dh_ref,
    dx_ref, dw_ref, db_ref) = common.unpack(
        refs, True, True, seg.centered, True, has_gamma, has_beta, precomputed and seg.centered,
-       precomputed, *mask)
+       precomputed, has_dh, *mask)
   ids = _ids(lay.main_order)
   xhat, g, dy, rstd = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref, beta_ref,
                              seg.activation)
@@ -467,7 +497,10 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool):
     else:
       c1 = lay.seg_sum(g) / seg.count if seg.centered else None
       c2 = lay.seg_sum(g * xhat) / seg.count
-    dx_ref[...] = common.grad_input(g, xhat, c1, c2, rstd).astype(dx_ref.dtype)
+    dx = common.grad_input(g, xhat, c1, c2, rstd)
+    if has_dh:
+      dx = dx + dh_ref[...].astype(F32)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
   partials = [(ref, t) for ref, t in ((dw_ref, dy * xhat), (db_ref, dy)) if ref is not None]
   if not partials:
     return
@@ -488,7 +521,7 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool):
       ref[...] += lay.param_sum(_masked(t, valid))
 
 
-def backward(dy, x, mean, rstd, gamma, beta=None, *, seg: common.Segments, mask,
+def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
              interpret: bool):
   """``(dx | None, dgamma | None, dbeta | None)``; see ``common.backward``."""
   out_dtype = x.dtype
@@ -508,9 +541,11 @@ def backward(dy, x, mean, rstd, gamma, beta=None, *, seg: common.Segments, mask,
   partial = ("partial", jax.ShapeDtypeStruct(lay.partial_shape, F32))
   outs = ([("data", jax.ShapeDtypeStruct(lay.data_shape, x.dtype))] if mask[0] else []) + [
       partial] * sum(mask[1:])
+  dh_in = [] if dh is None else [("data", dh.astype(_compute_dtype(dh)).reshape(lay.data_shape))]
   res = list(_call(lay, lay.main_order,
-                   functools.partial(_bwd_kernel, lay=lay, mask=mask, **flags),
-                   data + stats + params + [("stats", c) for c in cs], outs,
+                   functools.partial(_bwd_kernel, lay=lay, mask=mask, has_dh=dh is not None,
+                                     **flags),
+                   data + stats + params + [("stats", c) for c in cs] + dh_in, outs,
                    interpret=interpret, name="jax_normgrad_norm_bwd"))
   dx = res.pop(0).reshape(x.shape).astype(out_dtype) if mask[0] else None
   return (dx,) + tuple(

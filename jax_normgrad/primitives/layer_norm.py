@@ -22,6 +22,11 @@ x (x's dtype or float32), normalizes ``h = x + residual`` summed in float32
 and returns h (in ``h_dtype``, None: x's dtype) as a last output; the
 backward's ``has_dh`` adds a last operand ``dh`` (the cotangent of h, in the
 dtype of the backward's x operand, which is then h) that is added into dx.
+``write_xhat`` is refused with ``has_residual`` on every backend: the
+residual form's backward works from h, which the forward writes anyway (the
+next block reads it), so an xhat would be a second tensor-sized write that
+no caller reads; the xhat-based (``normalized``) backward serves the vendor
+forms of plain LayerNorm only.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ F32 = jnp.float32
 def _fwd_abstract(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
                   y_dtype, implementation, has_residual=False, h_dtype=None):
   del params, eps, has_weight, has_bias, param_groups, implementation
+  if has_residual and write_xhat:
+    raise ValueError("write_xhat: not available with has_residual (the residual form's backward "
+                     "reads h, which it writes anyway; see the module docstring)")
   m = x.shape[0]
   stats = [shaped((m,), F32)] * (2 if centered else 1)
   return ([shaped(x.shape, y_dtype or x.dtype)] + stats
