@@ -5,7 +5,7 @@ recent NVIDIA GPU (A100 as well as H100) and for ROCm, and its masked loads
 of power-of-two tiles are how rows that are not powers of two are handled.
 JAX deprecates it from 0.11 in favour of Mosaic GPU, which needs Hopper or
 newer and does not run on ROCm: ``mosaic_gpu.py`` holds the Mosaic GPU
-kernels (LayerNorm / RMSNorm so far), chosen with
+kernels (LayerNorm, RMSNorm and GroupNorm), chosen with
 ``implementation="mosaic_gpu"`` or ``JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu``
 (``_implementation``); they become the default on sm_90+ once they have
 passed their suite on a real H100. Every ``pallas_call`` here passes
