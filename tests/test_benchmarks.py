@@ -46,6 +46,16 @@ def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype, monkeypatch):
   bench_cpu.print_table([row])
 
 
+def test_model_rows_are_the_issues(bench_cpu):
+  """Issue 29's shapes: channels-last GroupNorm 8x8x8x128 to 8x32x32x320 (32 groups), LayerNorm 8x256x512 to 8x1024x1024."""
+  rows = {(k, s) for k, s, _ in bench_cpu.MODEL_ROWS}
+  assert {("gn_nhwc", (8, 128, 8, 8, 32)), ("gn_nhwc", (8, 320, 32, 32, 32)),
+          ("ln", (8 * 256, 512)), ("ln", (8 * 1024, 1024))} <= rows
+  # NHWC rows time the channels-last kernels (Flax's layout).
+  wl = bench_cpu._bench.group_norm_workload(2, 6, 3, 5, 3, channels_last=True)
+  assert wl.name.startswith("GroupNorm 2x3x5x6 NHWC")
+
+
 def test_plot_writes_into_a_new_folder(bench_cpu, tmp_path):
   pytest.importorskip("matplotlib")
   rows = [{"sweep": True, "dtype": "float32", "shape": [2 ** 23 // h, h], "nbytes": 3 * 2 ** 25,
