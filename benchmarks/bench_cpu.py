@@ -3,7 +3,8 @@
 Run from the repository root after `pip install .`:
 
     python benchmarks/bench_cpu.py                   # the issue's rows + a hidden-size sweep
-    python benchmarks/bench_cpu.py --quick           # the issue's rows and the 16-bit rows only
+    python benchmarks/bench_cpu.py --quick           # the issue's, 16-bit and model-shape rows only
+    python benchmarks/bench_cpu.py --model-shapes    # the shapes small models normalize only
     python benchmarks/bench_cpu.py --sweep-dtypes float32,bfloat16,float16   # a sweep per dtype
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 \
         python benchmarks/bench_cpu.py               # without fresh-mmap page faults
@@ -52,6 +53,22 @@ DTYPE_ROWS = [
     ("ln", (8192, 1024), jnp.float16),
     ("gn", (4, 512, 64, 64, 32), jnp.bfloat16),
     ("gn", (4, 512, 64, 64, 32), jnp.float16),
+]
+# The shapes small models normalize (issue 29): GroupNorm channels-last
+# (Flax's layout) from a UNet's deepest level to its widest, 32 groups, and
+# LayerNorm over a DiT's / a small transformer's tokens. At these sizes the
+# per-call costs (the FFI call, the thread pool's wake-up) are a larger part
+# of a kernel's time than at the issue's rows. Measured in every run after
+# the 16-bit rows; ``--model-shapes`` runs only these.
+MODEL_ROWS = [
+    ("gn_nhwc", (8, 128, 8, 8, 32), jnp.float32),
+    ("gn_nhwc", (8, 64, 16, 16, 32), jnp.float32),
+    ("gn_nhwc", (8, 128, 16, 16, 32), jnp.float32),
+    ("gn_nhwc", (8, 64, 32, 32, 32), jnp.float32),
+    ("gn_nhwc", (8, 320, 32, 32, 32), jnp.float32),
+    ("ln", (8 * 256, 512), jnp.float32),
+    ("ln", (8 * 256, 1024), jnp.float32),
+    ("ln", (8 * 1024, 1024), jnp.float32),
 ]
 # Up to one row of 2^23: the last three points have 8, 2 and 1 rows (the
 # kernels split fewer than 4 rows into column chunks across the pool).
@@ -106,7 +123,10 @@ def torch_calls(kind, shape, dtype):
     fwd = lambda: torch.nn.functional.layer_norm(x, (hidden,), w, b)
   else:
     n, c, h, w_, groups = shape
-    x = torch.randn(n, c, h, w_, dtype=tdtype, requires_grad=True)
+    x = torch.randn(n, c, h, w_, dtype=tdtype)
+    if kind == "gn_nhwc":  # PyTorch's channels-last GroupNorm kernels
+      x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
     w = torch.randn(c, dtype=tdtype, requires_grad=True)
     b = torch.randn(c, dtype=tdtype, requires_grad=True)
     fwd = lambda: torch.nn.functional.group_norm(x, groups, w, b)
@@ -190,7 +210,7 @@ def measure(kind, shape, dtype, bandwidth, iters, rounds=3, settle_s=SETTLE_S):
   each round's own ratio of medians, for the spread.
   """
   wl = (_bench.layer_norm_workload(*shape, dtype) if kind == "ln"
-        else _bench.group_norm_workload(*shape, dtype))
+        else _bench.group_norm_workload(*shape, dtype, channels_last=kind == "gn_nhwc"))
   row = {"workload": wl.name, "kind": kind, "shape": list(shape), "dtype": jnp.dtype(dtype).name,
          "rounds": rounds, "settle_s": settle_s}
   tc = torch_calls(kind, shape, dtype)
@@ -328,7 +348,7 @@ def cpu_model() -> str:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="the issue's rows and the 16-bit rows, no sweep")
+  parser.add_argument("--quick", action="store_true", help="the issue's, the 16-bit and the model-shape rows, no sweep")
   parser.add_argument("--iters", type=int, default=20, help="timed calls per column (split over the rounds)")
   parser.add_argument("--rounds", type=int, default=3,
                       help="interleaved rounds per row: each round times every column in turn")
@@ -338,6 +358,8 @@ def main(argv=None):
   parser.add_argument("--plot", default="benchmarks/results/cpu_ln_sweep.png")
   parser.add_argument("--sweep-dtypes", default="float32",
                       help="comma-separated dtypes of the hidden-size sweep (float32, bfloat16, float16)")
+  parser.add_argument("--model-shapes", action="store_true",
+                      help="only the shapes small models normalize (MODEL_ROWS)")
   parser.add_argument("--residual", action="store_true",
                       help="only add_layer_norm / add_rms_norm (the issue's LayerNorm rows) and the "
                            "pre-norm MLP stack's training step, fused against unfused and XLA")
@@ -377,10 +399,10 @@ def main(argv=None):
     out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     print(f"wrote {out}")
     return
-  for kind, shape, dtype in ISSUE_ROWS + DTYPE_ROWS:
+  for kind, shape, dtype in (MODEL_ROWS if args.model_shapes else ISSUE_ROWS + DTYPE_ROWS + MODEL_ROWS):
     rows.append(measure(kind, shape, dtype, bandwidth, args.iters, args.rounds, settle_s))
     print_table(rows[-1:])
-  if not args.quick:
+  if not args.quick and not args.model_shapes:
     for name in args.sweep_dtypes.split(","):
       dtype = jnp.dtype(name)
       print(f"\nsweep, {dtype.name} LayerNorm, rows x hidden = 2^23:")
@@ -394,7 +416,7 @@ def main(argv=None):
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
   print(f"wrote {out}")
-  if not args.quick:
+  if not args.quick and not args.model_shapes:
     plot(rows, args.plot)
 
 

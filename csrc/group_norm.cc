@@ -577,11 +577,12 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       Ty* yp = compute_y ? reinterpret_cast<Ty*>(y->untyped_data()) : nullptr;
       AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
       const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
+      ffi::ThreadPool* p = PoolFor(&pool, static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
       if (channels_last)
-        GroupNormFwdNHWC<A>(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(),
+        GroupNormFwdNHWC<A>(p, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(),
                             stream_y);
       else
-        GroupNormFwdNCHW<A>(&pool, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(),
+        GroupNormFwdNCHW<A>(p, s, xp, w, b, eps, yp, mean->typed_data(), rstd->typed_data(),
                             stream_y);
       return ffi::Error::Success();
     });
@@ -613,7 +614,8 @@ ffi::Error GroupNormApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
       AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
       GroupNormApplyNHWC<decltype(act)::value>(
-          &pool, s, reinterpret_cast<const T*>(x.untyped_data()), mean.typed_data(),
+          PoolFor(&pool, static_cast<int64_t>(x.size_bytes() + y->size_bytes())), s,
+          reinterpret_cast<const T*>(x.untyped_data()), mean.typed_data(),
           rstd.typed_data(), w, b, yp,
           StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes())));
       return ffi::Error::Success();
@@ -670,10 +672,12 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       AdviseHugePages(dxp, static_cast<int64_t>(dx->size_bytes()));
       const bool stream_dx = compute_dx && StreamOutput(static_cast<int64_t>(
                                                x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
+      ffi::ThreadPool* p = PoolFor(&pool, static_cast<int64_t>(
+                                              x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
       if (channels_last)
-        GroupNormBwdNHWC<A>(&pool, s, dyp, xp, mp, rp, gm, bt, dxp, db.data(), ds.data(), stream_dx);
+        GroupNormBwdNHWC<A>(p, s, dyp, xp, mp, rp, gm, bt, dxp, db.data(), ds.data(), stream_dx);
       else
-        GroupNormBwdNCHW<A>(&pool, s, dyp, xp, mp, rp, gm, bt, dxp, db.data(), ds.data(), stream_dx);
+        GroupNormBwdNCHW<A>(p, s, dyp, xp, mp, rp, gm, bt, dxp, db.data(), ds.data(), stream_dx);
       return ffi::Error::Success();
      });
     });

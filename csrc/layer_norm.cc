@@ -514,6 +514,8 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   if (H == 0) return ffi::Error::InvalidArgument("x: normalized size must be positive");
   float* mean_p = centered ? mean->typed_data() : nullptr;
   float* rstd_p = rstd->typed_data();
+  ffi::ThreadPool* pool_p = PoolFor(&pool, static_cast<int64_t>(
+      x.size_bytes() + y->size_bytes() + residual.size_bytes() + h->size_bytes()));
   return DispatchFwdTypes(x, y->element_type(), weight, has_weight, bias, has_bias,
                           WidenParams(M / W, H), [&](auto tag, auto ytag, auto ptag) {
     using T = decltype(tag);
@@ -529,19 +531,19 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
     if (has_residual) {
       if constexpr (std::is_same_v<Ty, T>) {
-        return AddLayerNormFwd<T, Tp>(&pool, x.element_type(), xp, residual, *h, w, b, yp, mean_p, rstd_p, M, W, H,
+        return AddLayerNormFwd<T, Tp>(pool_p, x.element_type(), xp, residual, *h, w, b, yp, mean_p, rstd_p, M, W, H,
                                       eps, centered, stream_y);
       }
       return ffi::Error::InvalidArgument("y: dtype must match x's with a residual");
     }
     if (UseColumnChunks(M / W, H)) {
       for (int64_t grp = 0; grp < W; ++grp)
-        LayerNormFwdChunked(&pool, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
+        LayerNormFwdChunked(pool_p, xp, w + grp * H, b + grp * H, yp, xhp, mean_p,
                             rstd_p, grp * (M / W), (grp + 1) * (M / W), H, eps, centered, stream_y);
       return ffi::Error::Success();
     }
     RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
-    ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
+    ParallelFor(pool_p, split.num_tasks(), [&](int64_t t) {
       const int64_t grp = split.group(t);
       LayerNormFwdRows(xp, w + grp * H, b + grp * H, yp, xhp, mean_p, rstd_p,
                        split.begin(t), split.end(t), H, eps, centered, stream_y);
@@ -608,6 +610,8 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   if (db_out && !column_chunks) std::fill(db_out, db_out + W * H, 0.f);
   if (M == 0 || H == 0) return ffi::Error::Success();
 
+  ffi::ThreadPool* pool_p = PoolFor(&pool, static_cast<int64_t>(
+      x.size_bytes() + dy.size_bytes() + dx->size_bytes() + dh.size_bytes()));
   const float* mean_p = centered && !normalized ? mean.typed_data() : nullptr;
   const float* rstd_p = needs_rstd ? rstd.typed_data() : nullptr;
 
@@ -656,12 +660,12 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       };
       if (column_chunks) {
         for (int64_t grp = 0; grp < W; ++grp)
-          ColumnChunkedBwd(&pool, op_of(grp), grp * rows_per_group, (grp + 1) * rows_per_group,
+          ColumnChunkedBwd(pool_p, op_of(grp), grp * rows_per_group, (grp + 1) * rows_per_group,
                            compute_dx, dw_out ? dw_out + grp * H : nullptr,
                            db_out ? db_out + grp * H : nullptr);
         return;
       }
-      ParallelFor(&pool, split.num_tasks(), [&](int64_t t) {
+      ParallelFor(pool_p, split.num_tasks(), [&](int64_t t) {
         const int64_t grp = split.group(t);
         float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
         float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
@@ -671,8 +675,8 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     if (use_partials) {
       for (int64_t grp = 0; grp < W; ++grp) {
         const int64_t off = grp * per_group * H;
-        if (dw_out) SumPartials(&pool, dw_part.data() + off, dw_out + grp * H, per_group, H);
-        if (db_out) SumPartials(&pool, db_part.data() + off, db_out + grp * H, per_group, H);
+        if (dw_out) SumPartials(pool_p, dw_part.data() + off, dw_out + grp * H, per_group, H);
+        if (db_out) SumPartials(pool_p, db_part.data() + off, db_out + grp * H, per_group, H);
       }
     }
     return ffi::Error::Success();

@@ -1,10 +1,11 @@
-"""Smoke tests of benchmarks/bench_cpu.py and bench_gpu.py on tiny shapes (no timing asserted)."""
+"""Smoke tests of benchmarks/bench_cpu.py, bench_gpu.py and bench_models.py on tiny shapes (no timing asserted)."""
 
 from __future__ import annotations
 
 import importlib.util
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -45,6 +46,16 @@ def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype, monkeypatch):
   bench_cpu.print_table([row])
 
 
+def test_model_rows_are_the_issues(bench_cpu):
+  """Issue 29's shapes: channels-last GroupNorm 8x8x8x128 to 8x32x32x320 (32 groups), LayerNorm 8x256x512 to 8x1024x1024."""
+  rows = {(k, s) for k, s, _ in bench_cpu.MODEL_ROWS}
+  assert {("gn_nhwc", (8, 128, 8, 8, 32)), ("gn_nhwc", (8, 320, 32, 32, 32)),
+          ("ln", (8 * 256, 512)), ("ln", (8 * 1024, 1024))} <= rows
+  # NHWC rows time the channels-last kernels (Flax's layout).
+  wl = bench_cpu._bench.group_norm_workload(2, 6, 3, 5, 3, channels_last=True)
+  assert wl.name.startswith("GroupNorm 2x3x5x6 NHWC")
+
+
 def test_plot_writes_into_a_new_folder(bench_cpu, tmp_path):
   pytest.importorskip("matplotlib")
   rows = [{"sweep": True, "dtype": "float32", "shape": [2 ** 23 // h, h], "nbytes": 3 * 2 ** 25,
@@ -66,9 +77,11 @@ def test_cpu_model_names_the_caches(bench_cpu):
 
 
 def _load_script(name):
+  import sys
   path = _SCRIPT.parent / name
   spec = importlib.util.spec_from_file_location(path.stem, path)
   mod = importlib.util.module_from_spec(spec)
+  sys.modules[path.stem] = mod  # flax's modules (dataclasses) look their module up there
   spec.loader.exec_module(mod)
   return mod
 
@@ -116,3 +129,49 @@ def test_bench_gpu_residual_smoke_run(tmp_path, capsys):
       assert r["xla_vs_fused"] == pytest.approx(r["xla_ms"] / r["fused_ms"])
   text = capsys.readouterr().out
   assert "add_rms_norm 16x72 bfloat16" in text and "mlp stack step 2x(32x64, ffn 32)" in text
+
+
+# ----------------------------------------------------------------------------
+# benchmarks/bench_models.py: the norms inside small models, on tiny models.
+
+
+def test_bench_models_quick_unet_reports_share_and_savings(tmp_path, capsys):
+  import json
+  pytest.importorskip("flax")
+  bench_models = _load_script("bench_models.py")
+  out = tmp_path / "models.json"
+  assert bench_models.main(["--quick", "--model", "unet", "--settle-ms", "0", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert {"jax", "jax_normgrad", "flax", "optimizer", "loadavg_start", "loadavg_end"} <= set(
+      result["info"])
+  (row,) = result["rows"]
+  assert row["variants"] == list(bench_models.unet_variants())
+  # flax's layers and the identities run no kernel; every package variant does.
+  assert row["flax_custom_calls"] == row["identity_custom_calls"] == 0
+  for v in row["variants"]:
+    assert row[f"{v}_ms"] > 0
+    if v not in ("flax", "identity"):
+      assert row[f"{v}_custom_calls"] > 0
+      assert row[f"{v}_vs_flax"] == pytest.approx(row["flax_ms"] / row[f"{v}_ms"])
+      assert row[f"{v}_loss"] == pytest.approx(row["flax_loss"], rel=1e-4)
+  assert row["norm_share"] == pytest.approx((row["flax_ms"] - row["identity_ms"]) / row["flax_ms"])
+  # The variants differ in their norms only: the same parameters, less the identities' norms.
+  assert row["ours_params"] == row["flax_params"] > row["identity_params"]
+  assert "norms:" in capsys.readouterr().out
+
+
+def test_bench_models_transformer_variants_lower_to_their_kernels():
+  """The pre-norm stack's variants, lowered only (no compile): the fused add + norm is one kernel."""
+  pytest.importorskip("flax")
+  bench_models = _load_script("bench_models.py")
+  calls = {}
+  for v in bench_models.TRANSFORMER_VARIANTS:
+    model, x, target = bench_models.transformer_setup(v, "layer", "quick")
+    params = bench_models.init_params(model, x)
+    step = jax.jit(lambda p, x, t, model=model: jax.grad(
+        lambda p: jnp.mean(jnp.square(model.apply(p, x) - t)))(p))
+    calls[v] = bench_models.custom_calls(step, (params, x, target))
+  assert calls["flax"] == calls["identity"] == 0
+  # Per block two adds + norms, and the first norm: add_layer_norm's forward and
+  # backward replace the drop-in's, each add one kernel less XLA pass.
+  assert 0 < calls["ours"] <= calls["dropin"]

@@ -1,0 +1,390 @@
+"""CPU benchmark: the norms inside small models, one jitted training step per variant.
+
+Run from the repository root after `pip install .` (flax; optax if installed):
+
+    python benchmarks/bench_models.py                  # both models, 5 rounds
+    python benchmarks/bench_models.py --quick          # tiny models, 1 round: a smoke run
+    python benchmarks/bench_models.py --model unet --rounds 8 --iters 40
+
+Two models, each built with flax.linen in several variants that differ only
+in their norms:
+
+* **unet**: a UNet-style stack of residual blocks (GroupNorm -> SiLU -> 3x3
+  conv, twice, plus the skip), NHWC, a strided conv between levels;
+  variants ``flax`` (flax.linen.GroupNorm then ``nn.silu``), ``ours``
+  (jax_normgrad.flax.GroupNorm then ``nn.silu``), ``fused``
+  (``jax_normgrad.flax.GroupNorm(..., activation="silu")``: the kernels
+  apply the SiLU in their output pass, its derivative in the backward) and
+  ``identity`` (SiLU alone: the step without the norms).
+* **transformer**: a pre-norm stack (residual add -> LayerNorm or RMSNorm
+  -> self-attention / MLP); variants ``flax`` (flax's norm after ``h = h +
+  out``), ``ours`` (``jax_normgrad.flax.AddLayerNorm`` / ``AddRMSNorm``:
+  the add and the norm one kernel, :func:`jax_normgrad.add_layer_norm`),
+  ``dropin`` (``h = h + out`` then the plain drop-in, what ``patch()``
+  gives) and ``identity`` (the add alone).
+
+Each step is ``jax.value_and_grad`` of an MSE loss plus an optimizer update
+(optax's adam where installed, else SGD), jitted. The variants of a model
+are timed in interleaved rounds (each round times every variant in turn,
+after a pause and one untimed call, as bench_cpu.py's columns), medians
+over all rounds. Reported: the norms' share of flax's step, ``(flax -
+identity) / flax``, and the share of that norm time each package variant
+saves, ``(flax - variant) / (flax - identity)``. Writes a JSON file
+(``--out``) with the machine, versions and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_normgrad import _bench, _ffi
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_cpu import SETTLE_S, cpu_model  # noqa: E402  (the sibling script's conventions)
+
+import flax.linen as nn  # noqa: E402
+import jax_normgrad.flax as jnf  # noqa: E402
+
+# (batch, side, channels per level, blocks per level, groups); "quick" is a smoke size.
+UNET_SIZES = {
+    "default": (8, 32, (64, 128, 256), 2, 32),
+    "quick": (2, 8, (16,), 1, 4),
+}
+# (batch, tokens, width, heads, blocks).
+TRANSFORMER_SIZES = {
+    "default": (8, 256, 512, 8, 4),
+    "quick": (2, 16, 32, 2, 1),
+}
+
+
+def fused_activation_available() -> bool:
+  """Whether the GroupNorm drop-in takes ``activation=`` (the fused GroupNorm + SiLU)."""
+  return "activation" in jnf.GroupNorm.__dataclass_fields__
+
+
+# ----------------------------------------------------------------------------
+# UNet-style residual blocks.
+
+
+class NormSiLU(nn.Module):
+  """GroupNorm then SiLU, in one of the variants (parameters named as flax's GroupNorm's)."""
+
+  variant: str
+  groups: int
+
+  @nn.compact
+  def __call__(self, x):
+    if self.variant == "flax":
+      return nn.silu(nn.GroupNorm(num_groups=self.groups)(x))
+    if self.variant == "ours":
+      return nn.silu(jnf.GroupNorm(num_groups=self.groups)(x))
+    if self.variant == "fused":  # the SiLU in the GroupNorm kernels' output pass
+      return jnf.GroupNorm(num_groups=self.groups, activation="silu")(x)
+    if self.variant == "identity":
+      return nn.silu(x)
+    raise ValueError(f"variant: unknown {self.variant!r}")
+
+
+class ResBlock(nn.Module):
+  channels: int
+  variant: str
+  groups: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(self.channels, (3, 3))(NormSiLU(self.variant, self.groups)(x))
+    h = nn.Conv(self.channels, (3, 3))(NormSiLU(self.variant, self.groups)(h))
+    if x.shape[-1] != self.channels:
+      x = nn.Conv(self.channels, (1, 1))(x)
+    return x + h
+
+
+class UNetStack(nn.Module):
+  """Stem conv, ``blocks`` residual blocks per level, a stride-2 conv between levels, a head conv."""
+
+  channels: tuple
+  blocks: int
+  variant: str
+  groups: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(self.channels[0], (3, 3))(x)
+    for level, c in enumerate(self.channels):
+      if level:
+        h = nn.Conv(c, (3, 3), strides=(2, 2))(h)
+      for _ in range(self.blocks):
+        h = ResBlock(c, self.variant, self.groups)(h)
+    return nn.Conv(x.shape[-1], (3, 3))(NormSiLU(self.variant, self.groups)(h))
+
+
+def unet_variants() -> tuple[str, ...]:
+  return ("flax", "ours") + (("fused",) if fused_activation_available() else ()) + ("identity",)
+
+
+def unet_setup(variant: str, size: str = "default"):
+  """``(model, x, target)``; the target has the last level's shape."""
+  batch, side, channels, blocks, groups = UNET_SIZES[size]
+  model = UNetStack(channels, blocks, variant, groups)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((batch, side, side, 3), np.float32))
+  out_side = side >> (len(channels) - 1)
+  target = jnp.asarray(rng.standard_normal((batch, out_side, out_side, 3), np.float32))
+  return model, x, target
+
+
+def unet_norm_shapes(size: str = "default") -> list[str]:
+  """The GroupNorm inputs of one forward, NHWC, as ``NxHxWxC`` (each with the count)."""
+  batch, side, channels, blocks, _ = UNET_SIZES[size]
+  shapes = {}
+  prev = channels[0]
+  for level, c in enumerate(channels):
+    s = side >> level
+    for b in range(blocks):
+      for ch in ((prev if b == 0 else c), c):
+        key = f"{batch}x{s}x{s}x{ch}"
+        shapes[key] = shapes.get(key, 0) + 1
+      prev = c
+  s = side >> (len(channels) - 1)
+  key = f"{batch}x{s}x{s}x{channels[-1]}"
+  shapes[key] = shapes.get(key, 0) + 1
+  return [f"{k} ({v}x)" for k, v in shapes.items()]
+
+
+# ----------------------------------------------------------------------------
+# Pre-norm transformer blocks.
+
+
+class AddNorm(nn.Module):
+  """``(y, h)`` with ``h = x + residual`` and ``y = norm(h)``; ``residual=None``: ``h = x``."""
+
+  variant: str
+  norm: str  # "layer" | "rms"
+
+  @nn.compact
+  def __call__(self, x, residual=None):
+    centered = self.norm == "layer"
+    if self.variant == "ours" and residual is not None:
+      return (jnf.AddLayerNorm() if centered else jnf.AddRMSNorm())(x, residual)
+    h = x if residual is None else x + residual
+    if self.variant == "identity":
+      return h, h
+    mod = nn if self.variant == "flax" else jnf
+    return (mod.LayerNorm() if centered else mod.RMSNorm())(h), h
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, y):
+    d = y.shape[-1]
+    return nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(y)))
+
+
+class PreNormStack(nn.Module):
+  """``blocks`` pre-norm blocks (attention, then MLP), the add before each norm, a final norm."""
+
+  blocks: int
+  heads: int
+  variant: str
+  norm: str
+
+  @nn.compact
+  def __call__(self, x):
+    y, h = AddNorm(self.variant, self.norm)(x)
+    for _ in range(self.blocks):
+      out = nn.MultiHeadDotProductAttention(num_heads=self.heads)(y)
+      y, h = AddNorm(self.variant, self.norm)(out, h)
+      y, h = AddNorm(self.variant, self.norm)(MLP()(y), h)
+    return y
+
+
+TRANSFORMER_VARIANTS = ("flax", "ours", "dropin", "identity")
+
+
+def transformer_setup(variant: str, norm: str = "layer", size: str = "default"):
+  batch, tokens, width, heads, blocks = TRANSFORMER_SIZES[size]
+  model = PreNormStack(blocks, heads, variant, norm)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((batch, tokens, width), np.float32))
+  target = jnp.asarray(rng.standard_normal(x.shape, np.float32))
+  return model, x, target
+
+
+# ----------------------------------------------------------------------------
+# The training step and the interleaved timing.
+
+
+def _optimizer():
+  """optax's adam where installed, else SGD as ``(init, update)`` on pytrees; and its name."""
+  try:
+    import optax
+  except ImportError:
+    init = lambda params: ()
+    update = lambda grads, state, params: (jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads),
+                                           state)
+    return init, update, "sgd"
+  tx = optax.adam(1e-3)
+
+  def update(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, update, f"optax {optax.__version__} adam"
+
+
+def training_step(model: nn.Module, x, target) -> tuple[Callable, tuple]:
+  """The jitted ``step(params, opt_state, x, target) -> (loss, params, opt_state)`` and its args."""
+  init, update, _ = _optimizer()
+
+  def loss_fn(params, x, target):
+    return jnp.mean(jnp.square(model.apply(params, x) - target))
+
+  @jax.jit
+  def step(params, opt_state, x, target):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, target)
+    params, opt_state = update(grads, opt_state, params)
+    return loss, params, opt_state
+
+  params = init_params(model, x)
+  return step, (params, init(params), x, target)
+
+
+def init_params(model: nn.Module, x, seed: int = 1):
+  """The model's parameters drawn by NumPy: kernels normal / sqrt(fan-in), scales 1, the rest 0.
+
+  Shapes from ``jax.eval_shape(model.init)``, which traces and compiles
+  nothing: jitting flax's initializers (truncated normals) took seconds per
+  variant, more than the step's own compile at the smoke size.
+  """
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = getattr(path[-1], "key", "")
+    if name == "kernel":
+      fan_in = int(np.prod(leaf.shape[:-1])) or 1
+      return jnp.asarray(rng.standard_normal(leaf.shape, np.float32) / np.sqrt(fan_in))
+    return jnp.full(leaf.shape, 1.0 if name == "scale" else 0.0, leaf.dtype)
+
+  shapes = jax.eval_shape(model.init, jax.random.key(seed), x)
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def count_params(params) -> int:
+  return int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
+
+
+def custom_calls(step, args) -> int:
+  """How many of this package's custom calls the step's lowered text holds."""
+  return step.lower(*args).as_text().count("custom_call @jax_normgrad_")
+
+
+def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
+                  settle_s: float = SETTLE_S) -> dict:
+  """One model: each variant's step in interleaved rounds; the medians, shares and savings.
+
+  ``setups``: variant -> ``(model, x, target)``; must hold ``flax`` and
+  ``identity``. Returns ``{"model", "variants", "rounds", "<variant>_ms",
+  "<variant>_rounds_ms", "<variant>_loss", "<variant>_params",
+  "<variant>_custom_calls", "norm_share", "<variant>_saves"}`` with ``<variant>_saves = (flax - variant) / (flax -
+  identity)`` for each package variant (the share of the norm time saved).
+  """
+  steps = {v: training_step(*s) for v, s in setups.items()}
+  per_round = max(1, -(-iters // rounds))
+  samples = {v: [] for v in steps}
+  round_medians = {v: [] for v in steps}
+  for rnd in range(rounds):
+    for v, (step, args) in steps.items():
+      time.sleep(settle_s)
+      times = _bench.call_times_ms(step, *args, warmup=2 if rnd == 0 else (1 if settle_s else 0),
+                                   iters=per_round)
+      samples[v] += times
+      round_medians[v].append(float(np.median(times)))
+  row = {"model": name, "variants": list(steps), "rounds": rounds, "iters": per_round * rounds}
+  for v, (step, args) in steps.items():
+    row[f"{v}_loss"] = float(step(*args)[0])  # the first step's: flax's and the kernels' agree
+    row[f"{v}_ms"] = float(np.median(samples[v]))
+    row[f"{v}_rounds_ms"] = round_medians[v]
+    row[f"{v}_params"] = count_params(steps[v][1][0])
+    row[f"{v}_custom_calls"] = custom_calls(*steps[v])
+  flax_ms, none_ms = row["flax_ms"], row["identity_ms"]
+  row["norm_ms"] = flax_ms - none_ms
+  row["norm_share"] = row["norm_ms"] / flax_ms
+  for v in steps:
+    if v not in ("flax", "identity"):
+      row[f"{v}_vs_flax"] = flax_ms / row[f"{v}_ms"]
+      row[f"{v}_saves"] = (flax_ms - row[f"{v}_ms"]) / row["norm_ms"] if row["norm_ms"] > 0 else None
+  return row
+
+
+def print_row(row: dict):
+  print(f"\n{row['model']} ({row['flax_params'] / 1e6:.2f}M params; {row['rounds']} rounds, "
+        f"{row['iters']} steps per variant)")
+  for v in row["variants"]:
+    saves = row.get(f"{v}_saves")
+    extra = (f"  {row[f'{v}_vs_flax']:.3f}x flax's, saves {100 * saves:5.1f}% of the norm time"
+             if saves is not None else "")
+    print(f"  {v:9s} {row[f'{v}_ms']:9.2f} ms  ({row[f'{v}_custom_calls']} custom calls;"
+          f" by round {' '.join(f'{t:.1f}' for t in row[f'{v}_rounds_ms'])}){extra}", flush=True)
+  print(f"  norms: {row['norm_ms']:.2f} ms, {100 * row['norm_share']:.1f}% of flax's step", flush=True)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny models, 1 round of 2 steps")
+  parser.add_argument("--model", choices=("unet", "transformer", "all"), default="all")
+  parser.add_argument("--norm", choices=("layer", "rms"), default="layer",
+                      help="the transformer's norm: LayerNorm or RMSNorm")
+  parser.add_argument("--iters", type=int, default=25, help="timed steps per variant (over the rounds)")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--settle-ms", type=float, default=1e3 * SETTLE_S)
+  parser.add_argument("--out", default="benchmarks/results/models.json")
+  args = parser.parse_args(argv)
+  size = "quick" if args.quick else "default"
+  iters, rounds = (2, 1) if args.quick else (args.iters, args.rounds)
+  settle_s = args.settle_ms / 1e3
+
+  info = _bench.versions()
+  import flax
+  info["flax"] = flax.__version__
+  info["optimizer"] = _optimizer()[2]
+  info["cpu_kernel_isa"] = _ffi.isa()
+  info["cpu_model"] = cpu_model()
+  info["settle_s"] = settle_s
+  info["loadavg_start"] = os.getloadavg()
+  print(json.dumps(info))
+  rows = []
+  if args.model in ("unet", "all"):
+    setups = {v: unet_setup(v, size) for v in unet_variants()}
+    b, side, channels, blocks, groups = UNET_SIZES[size]
+    row = measure_model(f"unet {b}x{side}x{side}x3, channels {'/'.join(map(str, channels))}, "
+                        f"{blocks} blocks per level, {groups} groups", setups, iters, rounds, settle_s)
+    row["norm_shapes"] = unet_norm_shapes(size)
+    rows.append(row)
+    print_row(row)
+  if args.model in ("transformer", "all"):
+    setups = {v: transformer_setup(v, args.norm, size) for v in TRANSFORMER_VARIANTS}
+    b, tokens, width, heads, blocks = TRANSFORMER_SIZES[size]
+    rows.append(measure_model(f"pre-norm transformer {b}x{tokens}x{width}, {heads} heads, "
+                              f"{blocks} blocks, {args.norm} norm", setups, iters, rounds, settle_s))
+    print_row(rows[-1])
+  info["loadavg_end"] = os.getloadavg()
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+  print(f"load average at the start {info['loadavg_start']}, at the end {info['loadavg_end']}")
+  print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
