@@ -85,8 +85,9 @@ def pvary(x, axes: tuple):
 #
 # GPU interpret mode (Mosaic GPU kernels simulated on CPU) takes an
 # ``InterpretGPUParams`` as ``interpret=``: public as
-# ``plgpu.InterpretGPUParams`` from jax 0.11; jax 0.10.2 has the same class
-# only at its private path, read here and nowhere else.
+# ``plgpu.InterpretGPUParams`` in jax 0.12; jax 0.10.2 and 0.11.0 have the same
+# class only at its private path, read here and nowhere else. (The kernel API
+# names below are public in 0.10.2, 0.11.0 and 0.12.)
 
 _MOSAIC_GPU_NAMES = ("kernel", "SMEM", "Barrier", "copy_gmem_to_smem", "copy_smem_to_gmem",
                      "commit_smem", "wait_smem_to_gmem", "barrier_wait", "broadcasted_iota",
