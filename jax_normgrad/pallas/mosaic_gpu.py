@@ -313,6 +313,17 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
   _compat.plgpu().wait_smem_to_gmem(0)
 
 
+def _fwd_scratch(launch: _Launch, plan, x_dtype, n_params: int):
+  """The row forward kernel's SMEM: x and y stages, the parameters, barriers."""
+  scratch = [launch.smem(plan.stages, x_dtype), launch.smem(plan.stages, x_dtype)]
+  if launch.staged(n_params):
+    scratch.append(launch.smem(n_params, F32))
+  scratch.append(_barrier(1, plan.stages))
+  if launch.staged(n_params):
+    scratch.append(_barrier(n_params))
+  return scratch
+
+
 def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
   """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``common.forward``."""
   if seg.kind != "rows":
@@ -325,12 +336,7 @@ def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
   n_params = (weight is not None) + (bias is not None)
   rows = x.reshape(seg.n, seg.b)
   stats = jax.ShapeDtypeStruct((seg.n, 1), F32)
-  scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, x.dtype)]
-  if launch.staged(n_params):
-    scratch.append(launch.smem(n_params, F32))
-  scratch.append(_barrier(1, plan.stages))
-  if launch.staged(n_params):
-    scratch.append(_barrier(n_params))
+  scratch = _fwd_scratch(launch, plan, x.dtype, n_params)
   kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps,
                              has_weight=weight is not None, has_bias=bias is not None)
   y, *st = launch.call(
@@ -417,6 +423,21 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   plgpu.wait_smem_to_gmem(0)
 
 
+def _bwd_scratch(launch: _Launch, plan, x_dtype, dy_dtype, mask, has_gamma: bool, n_acc: int):
+  """The row backward kernel's SMEM: x, dy (and dx) stages, gamma, the partials, barriers."""
+  scratch = [launch.smem(plan.stages, x_dtype), launch.smem(plan.stages, dy_dtype)]
+  if mask[0]:
+    scratch.append(launch.smem(plan.stages, x_dtype))
+  if launch.staged(has_gamma):
+    scratch.append(launch.smem(1, F32))
+  if n_acc:
+    scratch.append(launch.smem(n_acc, F32))
+  scratch.append(_barrier(2, plan.stages))
+  if launch.staged(has_gamma):
+    scratch.append(_barrier(1))
+  return scratch
+
+
 def backward(dy, x, mean, rstd, gamma, beta=None, *, seg: common.Segments, mask, interpret):
   """``(dx | None, dgamma | None, dbeta | None)`` of LayerNorm / RMSNorm rows or GroupNorm.
 
@@ -433,16 +454,7 @@ def backward(dy, x, mean, rstd, gamma, beta=None, *, seg: common.Segments, mask,
     return _long_backward(dy, x, mean, rstd, gamma, seg=seg, mask=mask, interpret=interpret)
   launch = _Launch(seg, plan, interpret)
   view = lambda a: launch.view(a.reshape(seg.n, seg.b))
-  scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, dy.dtype)]
-  if mask[0]:
-    scratch.append(launch.smem(plan.stages, x.dtype))
-  if launch.staged(has_gamma):
-    scratch.append(launch.smem(1, F32))
-  if n_acc:
-    scratch.append(launch.smem(n_acc, F32))
-  scratch.append(_barrier(2, plan.stages))
-  if launch.staged(has_gamma):
-    scratch.append(_barrier(1))
+  scratch = _bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc)
   partial = jax.ShapeDtypeStruct((seg.param_groups, launch.ctas, plan.chunks, plan.width), F32)
   out_shape = ([jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), x.dtype)]
                if mask[0] else []) + [partial] * n_acc
@@ -1024,12 +1036,7 @@ def _long_forward(x, weight, bias, *, seg: common.Segments, eps: float, interpre
   launch = _Launch(seg, plan, interpret, pieces=pieces)
   params = [None if a is None else _pieces(a, pieces, plan).reshape(-1, plan.chunks, plan.width)
             for a in (weight, bias)]
-  scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, x.dtype)]
-  if launch.staged(n_params):
-    scratch.append(launch.smem(n_params, F32))
-  scratch.append(_barrier(1, plan.stages))
-  if launch.staged(n_params):
-    scratch.append(_barrier(n_params))
+  scratch = _fwd_scratch(launch, plan, x.dtype, n_params)
   kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps, has_weight=weight is not None,
                              has_bias=bias is not None, given=True)
   y, = launch.call(kernel, [jax.ShapeDtypeStruct(x4.shape, x.dtype)], scratch, x4, *params,
@@ -1059,16 +1066,7 @@ def _long_backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, inte
       cs.append((_ordered_sum(s1, 1) / seg.b).reshape(seg.n, 1))
     cs.append((_ordered_sum(s2, 1) / seg.b).reshape(seg.n, 1))
   launch = _Launch(seg, plan, interpret, pieces=pieces)
-  scratch = [launch.smem(plan.stages, x.dtype), launch.smem(plan.stages, dy.dtype)]
-  if mask[0]:
-    scratch.append(launch.smem(plan.stages, x.dtype))
-  if launch.staged(has_gamma):
-    scratch.append(launch.smem(1, F32))
-  if n_acc:
-    scratch.append(launch.smem(n_acc, F32))
-  scratch.append(_barrier(2, plan.stages))
-  if launch.staged(has_gamma):
-    scratch.append(_barrier(1))
+  scratch = _bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc)
   groups = seg.param_groups * pieces
   partial = jax.ShapeDtypeStruct((groups, launch.ctas, plan.chunks, plan.width), F32)
   out_shape = ([jax.ShapeDtypeStruct(x4.shape, x.dtype)] if mask[0] else []) + [partial] * n_acc
