@@ -28,10 +28,11 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 
 // The kernel builds this module has, best first, each with whether this CPU
 // can run it: "avx512bf16" (AVX2+FMA+F16C with AVX-512 VL/DQ/BF16), "avx2"
-// (AVX2+FMA+F16C), "generic" (the baseline ISA, always).
+// (AVX2+FMA+F16C), "generic" (the baseline ISA, always); CMake's
+// JAX_NORMGRAD_ISAS says which of the first two are built.
 std::vector<std::pair<std::string, bool>> IsaBuilds() {
   std::vector<std::pair<std::string, bool>> builds;
-#ifdef JNG_HAVE_AVX2
+#if defined(JNG_HAVE_AVX2) || defined(JNG_HAVE_AVX512BF16)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
@@ -41,7 +42,9 @@ std::vector<std::pair<std::string, bool>> IsaBuilds() {
                                         __builtin_cpu_supports("avx512dq") &&
                                         __builtin_cpu_supports("avx512bf16"));
 #endif
+#ifdef JNG_HAVE_AVX2
   builds.emplace_back("avx2", avx2);
+#endif
 #endif
   builds.emplace_back("generic", true);
   return builds;
