@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     for kind, shape, dtype in (SMOKE_RESIDUAL_ROWS if args.smoke else RESIDUAL_ROWS):
       rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds))
       _bench.print_residual_rows(rows[-1:])
-    for dtype in (jnp.bfloat16, jnp.float32):
-      rows.append(_bench.measure_stack(dtype, args.iters, args.rounds,
+    for dtype, stream in ((jnp.bfloat16, None), (jnp.bfloat16, jnp.float32), (jnp.float32, None)):
+      rows.append(_bench.measure_stack(dtype, args.iters, args.rounds, residual_dtype=stream,
                                        **(SMOKE_STACK if args.smoke else STACK)))
       _bench.print_residual_rows(rows[-1:])
   for kind, shape, dtype in ([] if args.residual else SMOKE_ROWS if args.smoke else ROWS):

@@ -7,7 +7,13 @@ the equivalent jnp layer on the same inputs; ``median_ms`` times them.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import gzip
+import json
+import os
+import re
 import statistics
+import tempfile
 import time
 from typing import Callable
 
@@ -306,16 +312,27 @@ def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0):
   return row
 
 
-def mlp_stack_step(fused, layers, hidden, ffn, dtype, tokens=4096):
+STACK_VARIANTS = ("fused", "unfused", "xla")
+
+
+def mlp_stack_step(variant, layers, hidden, ffn, dtype, tokens=4096, residual_dtype=None):
   """A pre-norm stack of MLP blocks (RMSNorm, dense, gelu, dense, residual add): its jitted SGD step.
 
-  ``fused``: each block's residual add and the next norm are one
-  :func:`jax_normgrad.add_rms_norm`; else ``h = h + out`` and
-  :func:`jax_normgrad.rms_norm` (this package's kernels either way).
+  ``variant`` (STACK_VARIANTS): "fused", each block's residual add and the
+  next norm one :func:`jax_normgrad.add_rms_norm`; "unfused", ``h = h +
+  out`` then :func:`jax_normgrad.rms_norm` (this package's kernels either
+  way); "xla", ``h = h + out`` then the jnp RMSNorm (XLA's autodiff).
+  ``residual_dtype``: the residual stream's dtype (None: ``dtype``;
+  float32 with a 16-bit ``dtype`` is flash-attn's ``residual_in_fp32``:
+  the unfused forms add in float32 and round the norm's float32 output to
+  ``dtype`` for the next dense).
   Returns ``(step, params, batch)``; ``step(params, batch)`` is the jitted
   ``value_and_grad`` of the mean-square loss of the last norm's output
   plus the SGD update of the parameters.
   """
+  if variant not in STACK_VARIANTS:
+    raise ValueError(f"variant: expected one of {STACK_VARIANTS}, got {variant!r}")
+  stream = jnp.dtype(residual_dtype or dtype)
   k = jax.random.split(jax.random.key(0), 2 * layers + 1)
   params = {"norm": [jnp.ones((hidden,), jnp.float32) for _ in range(layers + 1)],
             "w1": [(jax.random.normal(k[2 * i], (hidden, ffn), jnp.float32) / hidden ** 0.5)
@@ -323,17 +340,21 @@ def mlp_stack_step(fused, layers, hidden, ffn, dtype, tokens=4096):
             "w2": [(jax.random.normal(k[2 * i + 1], (ffn, hidden), jnp.float32) / ffn ** 0.5)
                    for i in range(layers)]}
 
+  def norm(h, w):
+    y = jnp_rms_norm(h, w) if variant == "xla" else jn.rms_norm(h, w)
+    return y.astype(dtype)
+
   def loss(params, x):
-    h = x
-    y = jn.rms_norm(h, params["norm"][0].astype(dtype))
+    h = x.astype(stream)
+    y = norm(h, params["norm"][0].astype(stream))
     for i in range(layers):
       out = jax.nn.gelu(y @ params["w1"][i].astype(dtype)) @ params["w2"][i].astype(dtype)
-      w = params["norm"][i + 1].astype(dtype)
-      if fused:
-        y, h = jn.add_rms_norm(out, h, w)
+      if variant == "fused":
+        y, h = jn.add_rms_norm(out, h, params["norm"][i + 1].astype(dtype),
+                               residual_dtype=residual_dtype)
       else:
-        h = h + out
-        y = jn.rms_norm(h, w)
+        h = h + out.astype(stream)
+        y = norm(h, params["norm"][i + 1].astype(stream))
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
   @jax.jit
@@ -344,23 +365,98 @@ def mlp_stack_step(fused, layers, hidden, ffn, dtype, tokens=4096):
   return step, params, jax.random.normal(k[-1], (tokens, hidden), jnp.float32).astype(dtype)
 
 
+def _matmul_ops(hlo_text: str) -> set[str]:
+  """Names of the instructions of a compiled module's text that are, or fuse, a dot or convolution."""
+  bodies, cur = {}, None
+  for line in hlo_text.splitlines():
+    if line and not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
+      cur = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+      bodies[cur] = []
+    elif cur is not None:
+      bodies[cur].append(line)
+  heavy = {name for name, lines in bodies.items()
+           if any(re.search(r" (dot|convolution)\(", x) for x in lines)}
+  names = set()
+  for lines in bodies.values():
+    for x in lines:
+      m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? (dot|convolution|fusion)\(", x)
+      if m and (m.group(2) != "fusion" or any(f"calls=%{c}" in x or f"calls={c}" in x
+                                              for c in heavy)):
+        names.add(m.group(1))
+  return names
+
+
+def step_op_ms(step, args, calls: int = 5) -> dict:
+  """Where a jitted step's time goes, from a profile of ``calls`` calls: ms per call.
+
+  ``ops`` is the time of the compiled module's operations (XLA:CPU's thunks,
+  including custom calls), ``matmul`` that of the dots and convolutions (and
+  fusions containing one), ``other`` the rest: the memory-bound passes a
+  norm's implementation changes. Summed op durations, not wall time (ops
+  the runtime runs concurrently both count). Uses ``jax.profiler``'s
+  Perfetto trace (``create_perfetto_trace``), so it needs a backend whose
+  runtime emits per-op trace events (XLA:CPU does).
+  """
+  matmuls = _matmul_ops(step.lower(*args).compile().as_text())
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(step(*args))
+    paths = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
+    with gzip.open(paths[0]) as f:
+      events = json.load(f)["traceEvents"]
+  ops = matmul = 0.0
+  for e in events:
+    name = e.get("name", "")
+    if e.get("ph") != "X" or name.startswith(("$", "end: ")) or " " in name or "::" in name:
+      continue  # Python frames, runtime spans; op events are named by the instruction
+    if name in matmuls:
+      matmul += e["dur"]
+    ops += e["dur"]
+  return {"ops": ops / calls / 1e3, "matmul": matmul / calls / 1e3,
+          "other": (ops - matmul) / calls / 1e3}
+
+
 def measure_stack(dtype, iters, rounds=3, settle_s=0.0, layers=4, hidden=1024, ffn=256,
-                  tokens=4096):
-  """The MLP stack's training step with and without the fused form, interleaved rounds."""
-  variants = {name: mlp_stack_step(name == "fused", layers, hidden, ffn, dtype, tokens)
-              for name in ("fused", "unfused")}
+                  tokens=4096, residual_dtype=None, profile=False):
+  """The MLP stack's training step in each of STACK_VARIANTS, interleaved rounds.
+
+  ``profile``: also each variant's op time split into matmul and other
+  (:func:`step_op_ms`) as ``{variant}_{ops,matmul,other}_ms``: the dots are
+  the same in every variant and most of the step, so the norms' effect is
+  read more precisely in ``other`` than in the wall time.
+
+  Besides each variant's median, ``unfused_vs_fused`` and ``xla_vs_fused``
+  are the medians of the per-round ratios (each round times the variants
+  back to back, so a ratio sees one machine state: on a shared machine
+  these are steadier than the ratio of the medians).
+  """
+  variants = {name: mlp_stack_step(name, layers, hidden, ffn, dtype, tokens, residual_dtype)
+              for name in STACK_VARIANTS}
   per_round = max(1, -(-iters // rounds))
   samples = {name: [] for name in variants}
+  per_round_ms = {name: [] for name in variants}
   for rnd in range(rounds):
     for name, (step, params, x) in variants.items():
       time.sleep(settle_s)
-      samples[name] += call_times_ms(step, params, x, warmup=2 if rnd == 0 else 1,
-                                            iters=per_round)
-  row = {"workload": f"mlp stack step {layers}x({tokens}x{hidden}, ffn {ffn}) {jnp.dtype(dtype).name}",
-         "dtype": jnp.dtype(dtype).name, "rounds": rounds}
+      times = call_times_ms(step, params, x, warmup=2 if rnd == 0 else 1, iters=per_round)
+      samples[name] += times
+      per_round_ms[name].append(float(np.median(times)))
+  stream = "" if residual_dtype is None else f", {jnp.dtype(residual_dtype).name} residual stream"
+  row = {"workload": f"mlp stack step {layers}x({tokens}x{hidden}, ffn {ffn}) "
+                     f"{jnp.dtype(dtype).name}{stream}",
+         "dtype": jnp.dtype(dtype).name, "rounds": rounds,
+         "residual_dtype": None if residual_dtype is None else jnp.dtype(residual_dtype).name}
   for name, times in samples.items():
     row[f"{name}_ms"] = float(np.median(times))
-  row["unfused_vs_fused"] = row["unfused_ms"] / row["fused_ms"]
+  for name in ("unfused", "xla"):
+    ratios = np.array(per_round_ms[name]) / np.array(per_round_ms["fused"])
+    row[f"{name}_vs_fused"] = float(np.median(ratios))
+    row[f"{name}_vs_fused_rounds"] = [round(float(r), 4) for r in ratios]
+  if profile:
+    for name, (step, params, x) in variants.items():
+      for key, ms in step_op_ms(step, (params, x)).items():
+        row[f"{name}_{key}_ms"] = ms
   return row
 
 
@@ -370,6 +466,10 @@ def print_residual_rows(rows):
     xla = f" {r['xla_ms']:8.2f}  {r['xla_vs_fused']:5.2f}x" if "xla_ms" in r else ""
     print(f"{r['workload']:48s} fused {r['fused_ms']:8.2f}  unfused {r['unfused_ms']:8.2f} "
           f" {r['unfused_vs_fused']:5.2f}x" + (f" | XLA{xla}" if xla else ""), flush=True)
+    if "fused_other_ms" in r:
+      other = "  ".join(f"{name} {r[f'{name}_other_ms']:7.2f}" for name in STACK_VARIANTS)
+      matmul = "  ".join(f"{r[f'{name}_matmul_ms']:7.2f}" for name in STACK_VARIANTS)
+      print(f"{'':48s} op time besides the matmuls, ms: {other} (matmuls: {matmul})", flush=True)
 
 
 def versions() -> dict:
