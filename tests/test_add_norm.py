@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jax_normgrad as jn
-from jax_normgrad.pallas import config, gpu as pallas_gpu, tpu as pallas_tpu
-from cases import export_for, needs_mosaic_gpu, random, rotate
+from jax_normgrad.pallas import common, config, gpu as pallas_gpu, tpu as pallas_tpu
+from cases import MASKS, export_for, needs_mosaic_gpu, random, rotate
 import reference_np as ref
 from tolerances import assert_close
 
@@ -411,12 +411,164 @@ class TestAddNormDropins:
       assert y.dtype == BF16 and h.dtype == F32
 
 
+# ----------------------------------------------------------------------------
+# Mosaic GPU: the residual fused in its row kernels and in the pieces of long rows.
+
+MOSAIC_GPU = "mosaic_gpu_v2"
+
+
+def _spy_kernels(monkeypatch):
+  """Records the Mosaic GPU kernels that run, with their residual flags."""
+  from jax_normgrad.pallas import mosaic_gpu
+  seen = []
+  for name, flag in (("_fwd_kernel", "has_residual"), ("_gn_sums_kernel", "has_residual"),
+                     ("_bwd_kernel", "has_dh")):
+    def spy(*refs, _kernel=getattr(mosaic_gpu, name), _flag=flag, _name=name, **kw):
+      seen.append((_name, bool(kw.get(_flag)), bool(kw.get("given"))))
+      return _kernel(*refs, **kw)
+    monkeypatch.setattr(mosaic_gpu, name, spy)
+  return seen
+
+
+def _bitwise_equal(first, second):
+  for a, c in zip(first, second):
+    assert (a is None) == (c is None)
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a.astype(F32)), np.asarray(c.astype(F32)))
+
+
 @needs_mosaic_gpu
-def test_pallas_mosaic_gpu_adds_around_its_kernels_announced(rng):
-  """The Mosaic GPU kernels do not fuse the residual yet: the adds run as XLA fusions around
-  them, on float32 copies (same numbers as the reference), with a FallbackWarning."""
+class TestAddNormMosaicGpu(AddNormTests):
+  """The Mosaic GPU kernels in Pallas' GPU interpret mode on CPU (threads, SMEM, TMA and
+  barriers simulated): the residual read and h written by the forward kernels, dh added by
+  the backward's, in the row kernels and in the pieces of long rows.
+
+  Interpreted, so the shared cases run once each (LayerNorm for the even ones, RMSNorm for
+  the odd ones); vmap (per-example parameters: parameter groups) and grad(grad) run whole.
+  """
+
+  implementation = "mosaic_gpu"
+
+  @pytest.fixture(autouse=True)
+  def _fresh(self):
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+  def _narrow(self, case, centered):
+    if (case % 2 == 0) != centered:
+      pytest.skip("interpreted Mosaic GPU: each case once (even cases LayerNorm, odd RMSNorm)")
+
+  @pytest.mark.parametrize("mask", [m for m in MASKS if m[0]])
+  def test_backward_output_masks(self, rng, mask):
+    """Every output mask with dx, dh added to it; 37 columns (padded to 128), bfloat16 h."""
+    from jax_normgrad.ops.layer_norm import _bwd
+    centered = mask[1] != mask[2]
+    shape = (5, 37)
+    h, dy, dh = (random(rng, shape, BF16, scale=2.0, offset=0.5), random(rng, shape, BF16),
+                 random(rng, shape, BF16))
+    w = random(rng, (37,), F32, offset=1.0)
+    if centered:
+      _, mean, rstd = ref.ln_fwd(_f64(h), 1, eps=EPS)
+    else:
+      mean, rstd = None, ref.rms_fwd(_f64(h), 1, eps=EPS)[1]
+    stats = lambda a: None if a is None else jnp.asarray(a.reshape(5), F32)
+    outs = self._run(lambda: jax.jit(lambda *a: _bwd(
+        *a, mask, 1, self.implementation, centered=centered, dh=dh))(
+            dy, h, stats(mean), stats(rstd), w))
+    m = mean if centered else np.zeros_like(rstd)
+    dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, h, 1, m, rstd, _f64(w))
+    if not centered:
+      dx_ref, dw_ref = ref.rms_bwd(dy, h, 1, rstd, _f64(w))
+    assert_close(outs[0], dx_ref + _f64(dh), BF16, 37, "dx",
+                 scale=ref.dx_scale(dy, rstd, _f64(w)) + float(np.max(np.abs(_f64(dh)))))
+    for name, want, got, expected in (("dweight", mask[1], outs[1], dw_ref),
+                                      ("dbias", mask[2], outs[2], db_ref)):
+      assert (got is not None) == want, name
+      if want:
+        assert_close(got, expected, BF16, 5, name)
+
+  @pytest.mark.parametrize("centered,dtype,res_dtype,h_dtype,smem,pieces", [
+      (True, BF16, None, None, 6000, (2, 4)),   # forward 2 pieces of 512, the last 488 long
+      (False, F32, None, None, 7000, (4, 4)),
+      (True, BF16, F32, F32, 8000, (2, 4)),     # float32 h: the backward's rows are float32
+  ])
+  def test_long_rows_in_pieces_deterministic(self, rng, monkeypatch, centered, dtype, res_dtype,
+                                             h_dtype, smem, pieces):
+    """Rows too long for the SMEM budget: the pieces' moments of x + residual, h written by
+    the kernel writing y, dh added by the one writing dx; against the reference, twice bitwise."""
+    seen = _spy_kernels(monkeypatch)
+    shape = (5, 1000)
+    params = "wb" if centered else "w"
+    x, r, w, b = _inputs(rng, shape, (1000,), params, dtype, res_dtype)
+    hd = jnp.dtype(h_dtype or dtype)
+    dy, dh = random(rng, shape, dtype), random(rng, shape, hd, scale=0.5)
+    eps = EPS if centered else 1e-6
+    kw = dict(implementation=self.implementation, residual_dtype=h_dtype, eps=eps)
+
+    def run(x, r, w, b):
+      (y, h), vjp = jax.vjp(lambda *a: _call(centered, *a, **kw), x, r, w, b)
+      return (y, h) + vjp((dy, dh))
+
+    with config.override(mosaic_gpu_smem_bytes=smem):
+      r_bytes = jnp.dtype(res_dtype or dtype).itemsize
+      n_params = len(params)
+      assert config.mosaic_gpu_plan(1000, x.dtype.itemsize, backward=False, params=n_params,
+                                    extra_bytes=r_bytes + hd.itemsize) is None
+      fwd = config.mosaic_gpu_pieces(1000, x.dtype.itemsize, backward=False, params=n_params,
+                                     extra_bytes=r_bytes + hd.itemsize)
+      bwd = config.mosaic_gpu_pieces(1000, hd.itemsize, backward=True, params=1, outputs=1,
+                                     partials=n_params, extra_bytes=hd.itemsize)
+      assert (fwd[0], bwd[0]) == pieces, (fwd, bwd)
+      first = self._run(lambda: jax.jit(run)(x, r, w, b))
+      second = self._run(lambda: jax.jit(run)(x, r, w, b))
+    assert ("_gn_sums_kernel", True, False) in seen, seen  # the pieces' moments of x + residual
+    assert ("_fwd_kernel", True, True) in seen and ("_bwd_kernel", True, True) in seen, seen
+    _bitwise_equal(first, second)
+    y, h, gx, gr, gw, gb = first
+    y_ref, h64, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, centered, hd, eps)
+    assert_close(y, y_ref, dtype, 1000, "y")
+    assert_close(h, h64, hd, 1, "h")
+    if centered:
+      dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, h_ref, 1, mean, rstd, _f64(w))
+    else:
+      (dx_ref, dw_ref), db_ref = ref.rms_bwd(dy, h_ref, 1, rstd, _f64(w)), None
+    scale = ref.dx_scale(dy, rstd, _f64(w)) + float(np.max(np.abs(_f64(dh))))
+    assert_close(gx, dx_ref + _f64(dh), dtype, 1000, "grad x", scale=scale)
+    assert gr.dtype == r.dtype
+    assert_close(gw, dw_ref, dtype, 5, "grad weight")
+    if centered:
+      assert_close(gb, db_ref, dtype, 5, "grad bias")
+
+  def test_row_kernels_deterministic(self, rng, monkeypatch):
+    """Several rows per CTA, double-buffered (13 of 37 rows, 300 columns padded to 512), bfloat16
+    x with a float32 residual and h: the fused row kernels, the same bits twice."""
+    seen = _spy_kernels(monkeypatch)
+    x, r, w, b = _inputs(rng, (37, 300), (300,), "wb", BF16, F32)
+    dy, dh = random(rng, x.shape, BF16), random(rng, x.shape, F32)
+
+    def run(x, r, w, b):
+      (y, h), vjp = jax.vjp(lambda *a: jn.add_layer_norm(
+          *a, residual_dtype=F32, implementation=self.implementation), x, r, w, b)
+      return (y, h) + vjp((dy, dh))
+
+    first = self._run(lambda: jax.jit(run)(x, r, w, b))
+    second = self._run(lambda: jax.jit(run)(x, r, w, b))
+    assert set(seen) == {("_fwd_kernel", True, False), ("_bwd_kernel", True, False)}, seen
+    _bitwise_equal(first, second)
+    y_ref, _, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, F32, EPS)
+    assert_close(first[0], y_ref, BF16, 300, "y")
+    np.testing.assert_array_equal(_f64(first[1]), h_ref)
+    dx_ref, _, _ = ref.ln_bwd(dy, h_ref, 1, mean, rstd, _f64(w))
+    assert_close(first[2], dx_ref + _f64(dh), BF16, 300, "grad x",
+                 scale=ref.dx_scale(dy, rstd, _f64(w)) + float(np.max(np.abs(_f64(dh)))))
+
+
+@needs_mosaic_gpu
+def test_pallas_mosaic_gpu_fuses_the_residual_unannounced(rng):
+  """The Mosaic GPU kernels fuse the residual: no FallbackWarning, the reference's numbers."""
   from jax_normgrad import _implementation
-  _implementation._warn_once.cache_clear()
+  _implementation.warn_once.cache_clear()
   x, r, w, b = _inputs(rng, (8, 128), (128,), "wb", BF16, None)
   dy, dh = random(rng, x.shape, BF16), random(rng, x.shape, BF16)
 
@@ -424,8 +576,63 @@ def test_pallas_mosaic_gpu_adds_around_its_kernels_announced(rng):
     (y, h), vjp = jax.vjp(lambda *a: jn.add_layer_norm(*a, implementation=impl), x, r, w, b)
     return (y, h) + vjp((dy, dh))
 
-  with pytest.warns(jn.FallbackWarning, match="mosaic_gpu kernels do not fuse the residual add"):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jn.FallbackWarning)
     got = run("mosaic_gpu")
+  jax.clear_caches()
   for a, c in zip(got, run("xla")):
     np.testing.assert_allclose(np.asarray(a.astype(F32)), np.asarray(c.astype(F32)),
                                rtol=2e-2, atol=2e-2)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("centered,dtype,res_dtype,hidden", [
+    (True, BF16, None, 1000), (False, F32, None, 4096), (True, BF16, F32, 4096),
+    (True, F32, None, 65536), (False, BF16, F32, 65536)])
+def test_mosaic_gpu_export_lowers_to_the_fused_kernels(centered, dtype, res_dtype, hidden):
+  """Exported for cuda with implementation="mosaic_gpu": Mosaic GPU kernels only (no Triton),
+  and no tensor-sized add around them (h = x + residual and dx + dh are in the kernels); a
+  float32 residual stream beside 16-bit x; 65536-long rows in pieces too (their moments
+  kernel reads the residual)."""
+  s = lambda shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
+  rows = 16 if hidden < 10_000 else 4
+
+  def loss(x, r, w):
+    y, h = _call(centered, x, r, w, None, implementation="mosaic_gpu", residual_dtype=res_dtype)
+    return jnp.sum(y.astype(F32)) + jnp.sum(jnp.sin(h.astype(F32)))
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jn.FallbackWarning)
+    text = export_for("cuda", jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                      (s((rows, hidden)), s((rows, hidden), res_dtype or dtype),
+                       s((hidden,), F32))).mlir_module()
+  assert MOSAIC_GPU in text and TRITON not in text
+  assert "jax_normgrad_norm_fwd" in text and "jax_normgrad_norm_bwd" in text
+  if hidden > 10_000:
+    assert "jax_normgrad_norm_fwd_stats" in text
+  assert "custom_call @jax_normgrad_" not in text  # no CPU kernel
+  assert not [l for l in text.splitlines() if "stablehlo.add" in l and f"{rows}x{hidden}" in l]
+
+
+@needs_mosaic_gpu
+def test_mosaic_gpu_residual_rows_that_do_not_fit(rng, monkeypatch):
+  """An SMEM budget that holds a plain row's pieces but not the residual form's (3000 bytes,
+  float32): forced, Mosaic GPU raises naming the residual rows; chosen by the environment
+  variable, Triton runs it, announced."""
+  from jax_normgrad import _implementation
+  from jax_normgrad.pallas import mosaic_gpu
+  x, r = random(rng, (4, 1000), F32), random(rng, (4, 1000), F32)
+  seg = common.Segments("rows", 4, 1, 1000, groups=1, param_groups=1)
+  with config.override(mosaic_gpu_smem_bytes=3000):
+    assert mosaic_gpu.unsupported(seg, 4, backward=False) is None
+    assert "residual form" in mosaic_gpu.unsupported(seg, 4, backward=False, extra_bytes=8)
+    with pytest.raises(ValueError, match="implementation='mosaic_gpu' cannot run"):
+      jax.jit(lambda x, r: jn.add_layer_norm(x, r, implementation="mosaic_gpu")).lower(x, r)
+    monkeypatch.setenv("JAX_NORMGRAD_GPU_BACKEND", "mosaic_gpu")
+    _implementation.warn_once.cache_clear()
+    with pytest.warns(jn.FallbackWarning, match="Triton kernels run it instead"):
+      text = export_for("cuda", jax.jit(lambda x, r: jn.add_layer_norm(x, r)),
+                        (x, r), disabled_checks=[
+                            jax.export.DisabledSafetyCheck.custom_call(TRITON)]).mlir_module()
+  jax.clear_caches()
+  assert TRITON in text and MOSAIC_GPU not in text

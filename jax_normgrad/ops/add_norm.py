@@ -117,10 +117,10 @@ _SHARED_DOC = """
   (returned in each one's dtype), plus the parameter gradients. The forward
   is one kernel pass (read x and residual, write h and y) and the backward
   one pass of the LayerNorm kernels (dh added in its output pass), on CPU
-  (FFI) and in the Pallas Triton and TPU kernels (the Mosaic GPU backend
-  still adds around its kernels, announced with a FallbackWarning); works under ``jit``, ``vmap`` (batched
-  residual, per-example weights), sharded ``jit`` / ``shard_map`` (rows
-  sharded) and ``grad(grad)`` as :func:`jax_normgrad.layer_norm`.
+  (FFI) and in the Pallas Triton, Mosaic GPU and TPU kernels (a row longer
+  than Mosaic GPU's shared memory: its pieces' passes); works under ``jit``,
+  ``vmap`` (batched residual, per-example weights), sharded ``jit`` /
+  ``shard_map`` (rows sharded) and ``grad(grad)`` as :func:`jax_normgrad.layer_norm`.
 """
 
 

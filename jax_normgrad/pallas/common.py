@@ -197,13 +197,18 @@ class GpuBackend:
 TRITON = GpuBackend()
 
 
-def _gpu_kernels(backend: GpuBackend, seg: Segments, itemsize: int, *, backward: bool, op: str):
-  """The GPU kernel module for ``seg``: Mosaic GPU when asked for and able, else Triton."""
+def _gpu_kernels(backend: GpuBackend, seg: Segments, itemsize: int, *, backward: bool, op: str,
+                 extra_bytes: int = 0):
+  """The GPU kernel module for ``seg``: Mosaic GPU when asked for and able, else Triton.
+
+  ``extra_bytes``: the residual form's further rows, bytes per element (the
+  residual and h forward, dh backward; ``mosaic_gpu.unsupported``).
+  """
   gpu, _ = _backends()
   if backend.name != "mosaic_gpu":
     return gpu
   from jax_normgrad.pallas import mosaic_gpu  # pylint: disable=g-import-not-at-top
-  reason = mosaic_gpu.unsupported(seg, itemsize, backward=backward)
+  reason = mosaic_gpu.unsupported(seg, itemsize, backward=backward, extra_bytes=extra_bytes)
   if reason is None:
     return mosaic_gpu
   if backend.forced:
@@ -243,39 +248,18 @@ def _backends():
 
 
 def _residual_kernels(gpu_backend: GpuBackend, seg: Segments, itemsize: int, *, backward: bool,
-                      op: str):
-  """The GPU kernel module for the residual form, and whether it fuses the residual itself.
+                      op: str, extra_bytes: int):
+  """The GPU kernel module for the residual form (``_gpu_kernels``).
 
-  A kernel module that fuses it sets ``FUSES_RESIDUAL`` (Triton does): its
-  ``forward`` takes ``residual`` and ``h_dtype``, its ``backward`` ``dh``. One
-  that does not (Mosaic GPU so far) gets float32 rows from XLA adds around it
-  (``_adds_outside``), announced with a FallbackWarning.
+  Every GPU kernel module fuses the residual (``FUSES_RESIDUAL``): its
+  ``forward`` takes ``residual`` and ``h_dtype``, its ``backward`` ``dh``; the
+  TPU kernels do too. ``extra_bytes``: the residual's and h's bytes per
+  element forward, dh's backward.
   """
-  kernels = _gpu_kernels(gpu_backend, seg, itemsize, backward=backward, op=op)
-  if not getattr(kernels, "FUSES_RESIDUAL", False):
-    kernels = _gpu_kernels(gpu_backend, seg, 4, backward=backward, op=op)  # float32 rows
-  fused = getattr(kernels, "FUSES_RESIDUAL", False)
-  if not fused:
-    from jax_normgrad import _implementation  # pylint: disable=g-import-not-at-top
-    _implementation.warn_once(
-        f"jax_normgrad: {op}: the {kernels.__name__.rsplit('.', 1)[-1]} kernels do not fuse the "
-        "residual add: on GPU, h = x + residual (and the backward's add of h's cotangent) run as "
-        "XLA fusions around them, on float32 copies (same results, more memory traffic).")
-  return kernels, fused
-
-
-def _forward_adds_outside(x, residual, weight, bias, *, kernel_fn, h_dtype, **static):
-  """``kernel_fn``'s forward on ``h = x + residual`` summed by XLA in float32; y rounded once."""
-  h32 = x.astype(F32) + residual.astype(F32)
-  y, mean, rstd = kernel_fn(h32, weight, bias, **static)
-  return y.astype(x.dtype), mean, rstd, h32.astype(h_dtype)
-
-
-def _backward_adds_outside(dy, x, mean, rstd, gamma, beta, dh, *, kernel_fn, **static):
-  """``kernel_fn``'s backward on float32 copies, h's cotangent added to dx by XLA before its rounding."""
-  del beta  # the residual form has no activation
-  dx, dgamma, dbeta = kernel_fn(dy.astype(F32), x.astype(F32), mean, rstd, gamma, **static)
-  return (dx + dh.astype(F32)).astype(x.dtype), dgamma, dbeta
+  kernels = _gpu_kernels(gpu_backend, seg, itemsize, backward=backward, op=op,
+                         extra_bytes=extra_bytes)
+  assert getattr(kernels, "FUSES_RESIDUAL", False), kernels.__name__
+  return kernels
 
 
 def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dtype=None,
@@ -298,11 +282,11 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
     h_dtype = jnp.dtype(h_dtype or x.dtype)
     if x.size == 0:
       return jnp.zeros_like(x), (stats if seg.centered else None), stats, jnp.zeros(x.shape, h_dtype)
-    kernels, fused = _residual_kernels(gpu_backend, seg, x.dtype.itemsize, backward=False, op=op)
-    gpu_fn = kernels.forward if fused else functools.partial(
-        _forward_adds_outside, kernel_fn=kernels.forward)
-    return dispatch(gpu_fn, tpu.forward, (x, residual, weight, bias), interpret=interpret,
-                    mosaic_gpu=kernels is not gpu, seg=seg, eps=eps, h_dtype=h_dtype)
+    kernels = _residual_kernels(gpu_backend, seg, x.dtype.itemsize, backward=False, op=op,
+                                extra_bytes=residual.dtype.itemsize + h_dtype.itemsize)
+    return dispatch(kernels.forward, tpu.forward, (x, residual, weight, bias),
+                    interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg, eps=eps,
+                    h_dtype=h_dtype)
   if x.size == 0:
     return jnp.zeros_like(x), (stats if seg.centered else None), stats
   kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=False, op=op)
@@ -335,12 +319,11 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
   if dy.dtype != x_dtype:
     x, dy = x.astype(F32), dy.astype(F32)
   if dh is not None:  # the residual form (rows; no activation, so no beta)
-    kernels, fused = _residual_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
-    gpu_fn = kernels.backward if fused else functools.partial(
-        _backward_adds_outside, kernel_fn=kernels.backward)
-    dx, dgamma, dbeta = dispatch(gpu_fn, tpu.backward, (dy, x, mean, rstd, gamma, None, dh),
-                                 interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg,
-                                 mask=tuple(mask))
+    kernels = _residual_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op,
+                                extra_bytes=dh.dtype.itemsize)
+    dx, dgamma, dbeta = dispatch(kernels.backward, tpu.backward,
+                                 (dy, x, mean, rstd, gamma, None, dh), interpret=interpret,
+                                 mosaic_gpu=kernels is not gpu, seg=seg, mask=tuple(mask))
   else:
     kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
     params = (gamma, beta) if seg.activation is not None else (gamma,)

@@ -226,14 +226,17 @@ class MosaicGpuPlan:
 
 
 def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, outputs: int = 1,
-                    partials: int = 2, inputs: int | None = None) -> MosaicGpuPlan | None:
+                    partials: int = 2, inputs: int | None = None,
+                    extra_bytes: int = 0) -> MosaicGpuPlan | None:
   """The SMEM layout of a row, None when a whole row does not fit one CTA's SMEM.
 
   A CTA holds, per stage, the streamed inputs (``inputs``; default x, and dy
   backward) and the output row (y; dx when asked for), plus, once, the
   float32 parameter rows and (backward, or any kernel passing ``inputs``) the
-  float32 partial-sum rows. The first that fits of: two stages, one, then
-  both again with the parameters read from GMEM.
+  float32 partial-sum rows. ``extra_bytes``: the bytes per element of the
+  further rows each stage holds in their own dtypes (the residual form:
+  the residual and h forward, dh backward). The first that fits of: two
+  stages, one, then both again with the parameters read from GMEM.
   """
   width = 256 if h > 128 else 128
   chunks = cdiv(max(h, 1), width)
@@ -242,7 +245,7 @@ def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, o
   row = width * chunks
   if inputs is None:
     inputs, partials = (2, partials) if backward else (1, 0)
-  per_stage = row * itemsize * (inputs + outputs)
+  per_stage = row * (itemsize * (inputs + outputs) + extra_bytes)
   for params_in_smem in (True, False):
     fixed = row * 4 * (params * params_in_smem + partials)
     for stages in (2, 1):

@@ -29,6 +29,19 @@ elements forward and 10K backward in float32, 51K and 14K in 16-bit types)
 are cut in pieces that fit (``config.mosaic_gpu_pieces``; "Long rows" below):
 x and dy are then read twice, statistics (or c1, c2) first.
 
+The residual form (``add_layer_norm`` / ``add_rms_norm``, ``FUSES_RESIDUAL``):
+the forward streams the residual's row (x's dtype or float32) beside x's and
+writes h (``h_dtype``) beside y, one TMA group per row; every pass reads the
+float32 sum, so the statistics and y come from it unrounded and h is rounded
+once. The backward streams dh beside x (here h) and dy and adds it to dx in
+float32 before dx's rounding. The plans count these rows (``extra_bytes``),
+so rows are single-buffered, or cut in pieces, sooner: whole rows up to
+12.8K elements forward and 8.4K backward in float32 (25.6K and 12.8K in
+16-bit types), double-buffered up to 5.1K and 4.6K (8.4K and 7.1K). The
+pieces' forward moments are of the sum; their output kernels write h / add
+dh. A budget too small even for pieces of 256 (``unsupported``) leaves the
+problem to Triton, announced.
+
 GroupNorm, both layouts (below), is two passes over rows (per-channel sums,
 then the output), x read twice even where a segment would fit SMEM. NCHW rows
 (HW) longer than SMEM holds are cut in pieces too; channels-last rows (C) must
@@ -63,8 +76,17 @@ from jax_normgrad.pallas import common, config
 F32 = jnp.float32
 
 
-def unsupported(seg: common.Segments, itemsize: int, *, backward: bool) -> str | None:
-  """Why these kernels cannot run ``seg`` (None when they can)."""
+#: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh`` (``common.forward``).
+FUSES_RESIDUAL = True
+
+
+def unsupported(seg: common.Segments, itemsize: int, *, backward: bool,
+                extra_bytes: int = 0) -> str | None:
+  """Why these kernels cannot run ``seg`` (None when they can).
+
+  ``extra_bytes``: the residual form's further streamed rows, bytes per
+  element (``config.mosaic_gpu_plan``; rows only).
+  """
   missing = _compat.mosaic_gpu_api_missing()
   if missing:
     return missing
@@ -73,9 +95,12 @@ def unsupported(seg: common.Segments, itemsize: int, *, backward: bool) -> str |
       return (f"rows of {seg.b} elements (the {'HW' if seg.chan_axis == 1 else 'C'} of GroupNorm) "
               f"do not fit the Mosaic GPU kernels' shared memory")
     return None
-  if (config.mosaic_gpu_plan(seg.b, itemsize, backward=backward) is None
-      and config.mosaic_gpu_pieces(seg.b, itemsize, backward=backward) is None):
-    return f"rows of {seg.b} elements are longer than the Mosaic GPU kernels' pieces allow"
+  kw = dict(backward=backward, extra_bytes=extra_bytes)
+  if (config.mosaic_gpu_plan(seg.b, itemsize, **kw) is None
+      and config.mosaic_gpu_pieces(seg.b, itemsize, **kw) is None):
+    what = " with the residual form's rows" if extra_bytes else ""
+    return (f"rows of {seg.b} elements{what} are longer than the Mosaic GPU kernels' pieces "
+            "allow")
   return None
 
 
@@ -204,6 +229,8 @@ def _stream(launch, srcs, bufs, barrier, start, end, body, piece=None):
   """Calls ``body(i, slot)`` for rows ``[start, end)`` with ``srcs[.][i]`` in ``bufs[.][slot]``.
 
   ``piece``: the sources are ``(rows, pieces, chunks, width)``; ``[i, piece]`` is streamed.
+  A None source (an absent optional operand, such as the residual) is left
+  out; ``barrier`` expects one arrival per present source.
 
   With two stages row ``i + 1`` is fetched by TMA while row ``i`` is
   computed; with one, after it. The slot being refilled was last read by the
@@ -212,6 +239,7 @@ def _stream(launch, srcs, bufs, barrier, start, end, body, piece=None):
   """
   plgpu = _compat.plgpu()
   stages = launch.plan.stages
+  srcs, bufs = zip(*[(s, b) for s, b in zip(srcs, bufs) if s is not None])
 
   def fetch(i, slot):
     for src, buf in zip(srcs, bufs):
@@ -243,15 +271,23 @@ def _at(ref, i, piece):
   return ref.at[i] if piece is None else ref.at[i, piece]
 
 
-def _store_row(launch, buf, slot, dst, i, piece=None):
-  """TMA-stores the output row in ``buf[slot]`` to ``dst[i]`` (waited for before reuse)."""
+def _store_row(launch, bufs, slot, dsts, i, piece=None):
+  """TMA-stores the output rows in ``bufs[.][slot]`` to ``dsts[.][i]`` (waited for before reuse).
+
+  None outputs are left out. The copies of one row form one bulk-copy group
+  (the last commits it), so ``_wait_output_slot`` counts rows, however many
+  outputs each has (y, and h in the residual form).
+  """
+  del launch
   plgpu = _compat.plgpu()
+  pairs = [(b, d) for b, d in zip(bufs, dsts) if b is not None]
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(buf.at[slot], _at(dst, i, piece))
+  for j, (buf, dst) in enumerate(pairs):
+    plgpu.copy_smem_to_gmem(buf.at[slot], _at(dst, i, piece), commit_group=j == len(pairs) - 1)
 
 
 def _wait_output_slot(launch):
-  """Before writing an output slot: the store issued from it ``stages`` rows ago has read it."""
+  """Before writing an output slot: the stores issued from it ``stages`` rows ago have read it."""
   _compat.plgpu().wait_smem_to_gmem(launch.plan.stages - 1, wait_read_only=True)
 
 
@@ -260,23 +296,28 @@ def _wait_output_slot(launch):
 
 
 def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: bool,
-                given: bool = False):
+                given: bool = False, has_residual: bool = False):
   """Per row: statistics from the row in SMEM (two passes, exact), then ``y`` to SMEM and HBM.
 
   ``given``: the statistics are inputs (pieces of long rows, ``_long_forward``).
+  ``has_residual``: the residual row is streamed beside x's; every pass
+  reads their float32 sum, so the statistics and y come from it unrounded,
+  and the pass that writes y also writes it as h (rounded once to h's dtype),
+  stored with y.
   """
   seg = launch.seg
   staged = launch.staged(has_weight + has_bias)
-  (x_ref, w_ref, b_ref, gmean_ref, grstd_ref, y_ref, mean_ref, rstd_ref, xs, ys, ps, bar,
-   pbar) = common.unpack(refs, True, has_weight, has_bias, given and seg.centered, given, True,
-                         not given and seg.centered, not given, True, True, staged, True, staged)
+  (x_ref, r_ref, w_ref, b_ref, gmean_ref, grstd_ref, y_ref, mean_ref, rstd_ref, h_ref, xs, rs, ys,
+   hs, ps, bar, pbar) = common.unpack(
+       refs, True, has_residual, has_weight, has_bias, given and seg.centered, given, True,
+       not given and seg.centered, not given, has_residual, True, has_residual, True,
+       has_residual, staged, True, staged)
   w, _, start, end = launch.rows()
   piece = launch.piece(w)
   params = _params(launch, (w_ref, b_ref), ps, pbar, w)
 
   def row(i, slot):
-    xrow = xs.at[slot]
-    load = lambda k: xrow[k].astype(F32)
+    load = _row_loader(xs, rs, slot)
     if given:
       mean = gmean_ref[i, 0] if seg.centered else None
       rstd = grstd_ref[i, 0]
@@ -298,53 +339,88 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
 
     def write(k, carry):
       x = load(k)
+      if has_residual:
+        hs[slot, k] = x.astype(hs.dtype)
       ys[slot, k] = common.normalize(x - mean if seg.centered else x, rstd,
                                      *params(k)).astype(ys.dtype)
       return carry
 
     launch.loop(write, 0)
-    _store_row(launch, ys, slot, y_ref, i, piece)
+    _store_row(launch, (ys, hs), slot, (y_ref, h_ref), i, piece)
     if not given:
       if seg.centered:
         mean_ref[i, 0] = mean
       rstd_ref[i, 0] = rstd
 
-  _stream(launch, (x_ref,), (xs,), bar, start, end, row, piece)
+  _stream(launch, (x_ref, r_ref), (xs, rs), bar, start, end, row, piece)
   _compat.plgpu().wait_smem_to_gmem(0)
 
 
-def _fwd_scratch(launch: _Launch, plan, x_dtype, n_params: int):
-  """The row forward kernel's SMEM: x and y stages, the parameters, barriers."""
-  scratch = [launch.smem(plan.stages, x_dtype), launch.smem(plan.stages, x_dtype)]
+def _row_loader(xs, rs, slot):
+  """``load(k)``: chunk k of the row in ``xs[slot]`` as float32, plus the residual's (``rs``) if any."""
+  if rs is None:
+    return lambda k: xs[slot, k].astype(F32)
+  return lambda k: xs[slot, k].astype(F32) + rs[slot, k].astype(F32)
+
+
+def _residual_bytes(residual, h_dtype) -> int:
+  """Bytes per element of the residual form's further forward rows (residual, h): ``extra_bytes``."""
+  if residual is None:
+    return 0
+  return residual.dtype.itemsize + jnp.dtype(h_dtype).itemsize
+
+
+def _fwd_scratch(launch: _Launch, plan, x_dtype, n_params: int, r_dtype=None, h_dtype=None):
+  """The row forward kernel's SMEM: x (and residual) stages, y (and h) stages, the parameters,
+  barriers (``r_dtype``, ``h_dtype``: the residual form's)."""
+  scratch = [launch.smem(plan.stages, x_dtype)]
+  if r_dtype is not None:
+    scratch.append(launch.smem(plan.stages, r_dtype))
+  scratch.append(launch.smem(plan.stages, x_dtype))
+  if r_dtype is not None:
+    scratch.append(launch.smem(plan.stages, h_dtype))
   if launch.staged(n_params):
     scratch.append(launch.smem(n_params, F32))
-  scratch.append(_barrier(1, plan.stages))
+  scratch.append(_barrier(1 + (r_dtype is not None), plan.stages))
   if launch.staged(n_params):
     scratch.append(_barrier(n_params))
   return scratch
 
 
-def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
-  """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``common.forward``."""
+def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=None):
+  """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``common.forward``.
+
+  The residual form (rows): ``(x, residual, weight, bias)`` and ``h_dtype``
+  give ``(y, mean | None, rstd, h)``, h = x + residual in float32 rounded
+  once to ``h_dtype``, the statistics and y from the unrounded sum.
+  """
+  has_residual = h_dtype is not None
+  residual, weight, bias = operands if has_residual else (None, *operands)
   if seg.kind != "rows":
+    assert not has_residual, "the residual form is rows only"
     return _group_forward(x, weight, bias, seg=seg, eps=eps, interpret=interpret)
-  plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=False,
-                                params=(weight is not None) + (bias is not None))
-  if plan is None:
-    return _long_forward(x, weight, bias, seg=seg, eps=eps, interpret=interpret)
-  launch = _Launch(seg, plan, interpret)
   n_params = (weight is not None) + (bias is not None)
-  rows = x.reshape(seg.n, seg.b)
+  plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=False, params=n_params,
+                                extra_bytes=_residual_bytes(residual, h_dtype))
+  if plan is None:
+    return _long_forward(x, residual, weight, bias, seg=seg, eps=eps, interpret=interpret,
+                         h_dtype=h_dtype)
+  launch = _Launch(seg, plan, interpret)
+  view = lambda a: None if a is None else launch.view(a.reshape(seg.n, seg.b))
   stats = jax.ShapeDtypeStruct((seg.n, 1), F32)
-  scratch = _fwd_scratch(launch, plan, x.dtype, n_params)
-  kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps,
-                             has_weight=weight is not None, has_bias=bias is not None)
+  out_rows = lambda dtype: jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), dtype)
+  scratch = _fwd_scratch(launch, plan, x.dtype, n_params,
+                         *((residual.dtype, h_dtype) if has_residual else ()))
+  kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps, has_weight=weight is not None,
+                             has_bias=bias is not None, has_residual=has_residual)
   y, *st = launch.call(
-      kernel, [jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), x.dtype)]
-      + [stats] * (1 + seg.centered), scratch, launch.view(rows), launch.view(weight),
-      launch.view(bias), interpret=interpret, name="jax_normgrad_norm_fwd")
+      kernel, [out_rows(x.dtype)] + [stats] * (1 + seg.centered)
+      + ([out_rows(h_dtype)] if has_residual else []), scratch, view(x), view(residual),
+      launch.view(weight), launch.view(bias), interpret=interpret, name="jax_normgrad_norm_fwd")
   y = launch.unview(y).reshape(x.shape)
-  return (y, *st) if seg.centered else (y, None, st[0])
+  if has_residual:
+    st[-1] = launch.unview(st[-1]).reshape(x.shape)
+  return (y, *st) if seg.centered else (y, None, *st)
 
 
 # ----------------------------------------------------------------------------
@@ -352,20 +428,23 @@ def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
 
 
 def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma: bool,
-                given: bool = False):
+                given: bool = False, has_dh: bool = False):
   """Per row: ``c1``, ``c2`` from the row in SMEM, then dx and the partial sums in one pass.
 
   The partials of ``sum dy * xhat`` and ``sum dy`` live in SMEM (one row each,
   float32) across the CTA's rows and are stored once, as its partial row.
   ``given``: c1, c2 are inputs (pieces of long rows, ``_long_backward``).
+  ``has_dh`` (needs ``mask[0]``): h's cotangent, streamed beside x and dy, is
+  added to dx in float32 before dx's one rounding.
   """
   seg = launch.seg
   n_acc = mask[1] + mask[2]
   given = given and mask[0]
-  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref, dx_ref, dw_ref, db_ref,
-   xs, dys, dxs, gs, accs, bar, pbar) = common.unpack(
-       refs, True, True, seg.centered, True, has_gamma, given and seg.centered, given, *mask,
-       True, True, mask[0], launch.staged(has_gamma), n_acc > 0, True, launch.staged(has_gamma))
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref, dh_ref, dx_ref, dw_ref, db_ref,
+   xs, dys, dhs, dxs, gs, accs, bar, pbar) = common.unpack(
+       refs, True, True, seg.centered, True, has_gamma, given and seg.centered, given, has_dh,
+       *mask, True, True, has_dh, mask[0], launch.staged(has_gamma), n_acc > 0, True,
+       launch.staged(has_gamma))
   w, p, start, end = launch.rows()
   piece = launch.piece(w)
   params = _params(launch, (gamma_ref,), gs, pbar, w)
@@ -404,7 +483,10 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
     def chunk(k, carry):
       dy, xhat, g = tile(k)
       if mask[0]:
-        dxs[slot, k] = common.grad_input(g, xhat, c1, c2, rstd).astype(dxs.dtype)
+        dx = common.grad_input(g, xhat, c1, c2, rstd)
+        if has_dh:
+          dx = dx + dhs[slot, k].astype(F32)
+        dxs[slot, k] = dx.astype(dxs.dtype)
       terms = [t for t, want in ((dy * xhat, mask[1]), (dy, mask[2])) if want]
       for j, t in enumerate(terms):
         accs[j, k] = accs[j, k] + t
@@ -412,9 +494,9 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
 
     launch.loop(chunk, 0)
     if mask[0]:
-      _store_row(launch, dxs, slot, dx_ref, i, piece)
+      _store_row(launch, (dxs,), slot, (dx_ref,), i, piece)
 
-  _stream(launch, (x_ref, dy_ref), (xs, dys), bar, start, end, row, piece)
+  _stream(launch, (x_ref, dy_ref, dh_ref), (xs, dys, dhs), bar, start, end, row, piece)
   plgpu = _compat.plgpu()
   if n_acc:
     plgpu.commit_smem()
@@ -423,44 +505,56 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   plgpu.wait_smem_to_gmem(0)
 
 
-def _bwd_scratch(launch: _Launch, plan, x_dtype, dy_dtype, mask, has_gamma: bool, n_acc: int):
-  """The row backward kernel's SMEM: x, dy (and dx) stages, gamma, the partials, barriers."""
+def _bwd_scratch(launch: _Launch, plan, x_dtype, dy_dtype, mask, has_gamma: bool, n_acc: int,
+                 dh_dtype=None):
+  """The row backward kernel's SMEM: x, dy (and dh, dx) stages, gamma, the partials, barriers."""
   scratch = [launch.smem(plan.stages, x_dtype), launch.smem(plan.stages, dy_dtype)]
+  if dh_dtype is not None:
+    scratch.append(launch.smem(plan.stages, dh_dtype))
   if mask[0]:
     scratch.append(launch.smem(plan.stages, x_dtype))
   if launch.staged(has_gamma):
     scratch.append(launch.smem(1, F32))
   if n_acc:
     scratch.append(launch.smem(n_acc, F32))
-  scratch.append(_barrier(2, plan.stages))
+  scratch.append(_barrier(2 + (dh_dtype is not None), plan.stages))
   if launch.staged(has_gamma):
     scratch.append(_barrier(1))
   return scratch
 
 
-def backward(dy, x, mean, rstd, gamma, beta=None, *, seg: common.Segments, mask, interpret):
+def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
+             interpret):
   """``(dx | None, dgamma | None, dbeta | None)`` of LayerNorm / RMSNorm rows or GroupNorm.
 
-  See ``common.backward``; ``beta`` only with GroupNorm's fused activation.
+  See ``common.backward``; ``beta`` only with GroupNorm's fused activation;
+  ``dh`` (the residual form, rows; needs ``mask[0]``) is added to dx in
+  float32 before its rounding.
   """
   if seg.kind != "rows":
+    assert dh is None, "the residual form is rows only"
     return _group_backward(dy, x, mean, rstd, gamma, beta, seg=seg, mask=mask,
                            interpret=interpret)
+  if dh is not None and not mask[0]:
+    raise ValueError("dh needs dx (mask[0])")
   has_gamma = gamma is not None
   n_acc = mask[1] + mask[2]
+  dh_bytes = 0 if dh is None else dh.dtype.itemsize
   plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=True, params=int(has_gamma),
-                                outputs=int(mask[0]), partials=n_acc)
+                                outputs=int(mask[0]), partials=n_acc, extra_bytes=dh_bytes)
   if plan is None:
-    return _long_backward(dy, x, mean, rstd, gamma, seg=seg, mask=mask, interpret=interpret)
+    return _long_backward(dy, x, mean, rstd, gamma, dh, seg=seg, mask=mask, interpret=interpret)
   launch = _Launch(seg, plan, interpret)
-  view = lambda a: launch.view(a.reshape(seg.n, seg.b))
-  scratch = _bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc)
+  view = lambda a: None if a is None else launch.view(a.reshape(seg.n, seg.b))
+  scratch = _bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc,
+                         None if dh is None else dh.dtype)
   partial = jax.ShapeDtypeStruct((seg.param_groups, launch.ctas, plan.chunks, plan.width), F32)
   out_shape = ([jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), x.dtype)]
                if mask[0] else []) + [partial] * n_acc
   outs = list(launch.call(
-      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_gamma=has_gamma), out_shape,
-      scratch, view(dy), view(x), mean, rstd, launch.view(gamma), interpret=interpret,
+      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_gamma=has_gamma,
+                        has_dh=dh is not None), out_shape,
+      scratch, view(dy), view(x), mean, rstd, launch.view(gamma), view(dh), interpret=interpret,
       name="jax_normgrad_norm_bwd"))
   dx = launch.unview(outs.pop(0)).reshape(x.shape) if mask[0] else None
   sums = []
@@ -638,7 +732,8 @@ def _coef_reader(launch, rows: _GroupRows, refs, buf, barrier, w):
 
 def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
                     pieces: int = 1, tail: int = 0, param_rows: int | None = None,
-                    activation: str | None = None, act_params: tuple[bool, bool] = (False, False)):
+                    activation: str | None = None, act_params: tuple[bool, bool] = (False, False),
+                    has_residual: bool = False):
   """Per (sample, channel): moments forward, ``sum dy`` and ``sum dy * xhat`` backward.
 
   NCHW: one row, reduced in SMEM, two scalars stored per row. Channels-last:
@@ -654,14 +749,18 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
   GroupNorm's fused ``activation``: dy is first ``dy * act'(z)``,
   ``z = xhat * gamma + beta`` with the per-(i, c) gamma and beta coefficients
   present as ``act_params`` says.
+
+  ``has_residual`` (forward): the moments are of the float32 sum of x's rows
+  and the residual's, streamed beside them (the residual form's long rows).
   """
   columns = not rows.per_row
   has_gamma = param_rows is not None
   n_coef = (2 + sum(act_params)) * backward
   staged = columns and launch.staged(n_coef)
-  (x_ref, dy_ref, m_ref, s_ref, ag_ref, ab_ref, g_ref, out0, out1, xs, dys, cs, accs, bar,
-   cbar) = common.unpack(refs, True, backward, backward, backward, act_params[0], act_params[1],
-                         has_gamma, True, True, True, backward, staged, columns, True, staged)
+  (x_ref, r_ref, dy_ref, m_ref, s_ref, ag_ref, ab_ref, g_ref, out0, out1, xs, rs, dys, cs, accs,
+   bar, cbar) = common.unpack(refs, True, has_residual, backward, backward, backward,
+                              act_params[0], act_params[1], has_gamma, True, True, True,
+                              has_residual, backward, staged, columns, True, staged)
   w, p, start, end = launch.rows()
   at_row = _coef_reader(launch, rows, (m_ref, s_ref, ag_ref, ab_ref), cs, cbar, w)
   length = launch.seg.b
@@ -676,7 +775,7 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
     launch.loop(clear, 0)
 
   def row(i, slot):
-    load = lambda k: xs[slot, k].astype(F32)
+    load = _row_loader(xs, rs, slot)
     coefs = at_row(i)
 
     if has_gamma:  # the parameter row of this piece
@@ -733,8 +832,7 @@ def _gn_sums_kernel(*refs, launch: _Launch, rows: _GroupRows, backward: bool,
 
     launch.loop(add, 0)
 
-  srcs = (x_ref, dy_ref) if backward else (x_ref,)
-  _stream(launch, srcs, (xs, dys) if backward else (xs,), bar, start, end, row)
+  _stream(launch, (x_ref, r_ref, dy_ref), (xs, rs, dys), bar, start, end, row)
   plgpu = _compat.plgpu()
   if columns:
     plgpu.commit_smem()
@@ -831,7 +929,7 @@ def _gn_apply_kernel(*refs, launch: _Launch, rows: _GroupRows, has_dy: bool, has
       return carry
 
     launch.loop(write, 0)
-    _store_row(launch, outs, slot, out_ref, i)
+    _store_row(launch, (outs,), slot, (out_ref,), i)
 
   srcs = (x_ref, dy_ref) if has_dy else (x_ref,)
   _stream(launch, srcs, (xs, dys) if has_dy else (xs,), bar, start, end, row)
@@ -991,38 +1089,53 @@ def _pieces(a, pieces, plan):
   return a.reshape(a.shape[0], pieces, plan.chunks, plan.width)
 
 
-def _piece_sums(seg, pieces, plan, x4, dy4, mean, rstd, gamma4, *, interpret):
-  """The sums kernel over the pieces: two ``(rows, pieces)`` float32 arrays."""
+def _piece_sums(seg, pieces, plan, x4, dy4, mean, rstd, gamma4, *, interpret, r4=None):
+  """The sums kernel over the pieces: two ``(rows, pieces)`` float32 arrays.
+
+  ``r4`` (forward): the residual's pieces; the moments are of ``x + residual``.
+  """
   rows = _PieceRows(seg, pieces, plan.padded)
   backward = dy4 is not None
   launch = _Launch(rows.rows, plan, interpret)
   flat = lambda a: None if a is None else a.reshape(rows.rows.n, plan.chunks, plan.width)
   scratch = [launch.smem(plan.stages, x4.dtype)]
+  if r4 is not None:
+    scratch.append(launch.smem(plan.stages, r4.dtype))
   if backward:
     scratch.append(launch.smem(plan.stages, dy4.dtype))
-  scratch.append(_barrier(1 + backward, plan.stages))
+  scratch.append(_barrier(1 + backward + (r4 is not None), plan.stages))
   out = jax.ShapeDtypeStruct((rows.rows.n, 1), F32)
   gamma = None if gamma4 is None else gamma4.reshape(-1, plan.chunks, plan.width)
   kernel = functools.partial(_gn_sums_kernel, launch=launch, rows=rows, backward=backward,
                              pieces=pieces, tail=seg.b - (pieces - 1) * plan.padded,
-                             param_rows=None if gamma is None else seg.per_group)
-  a, b = launch.call(kernel, [out, out], scratch, flat(x4), flat(dy4), rows.coef(mean),
+                             param_rows=None if gamma is None else seg.per_group,
+                             has_residual=r4 is not None)
+  a, b = launch.call(kernel, [out, out], scratch, flat(x4), flat(r4), flat(dy4), rows.coef(mean),
                      rows.coef(rstd), gamma, interpret=interpret,
                      name="jax_normgrad_norm_bwd_sums" if backward else "jax_normgrad_norm_fwd_stats")
   return a.reshape(seg.n, pieces), b.reshape(seg.n, pieces)
 
 
-def _long_forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
-  """``(y, mean | None, rstd)`` of rows too long for one CTA's SMEM."""
+def _long_forward(x, residual, weight, bias, *, seg: common.Segments, eps: float, interpret,
+                  h_dtype=None):
+  """``(y, mean | None, rstd)`` of rows too long for one CTA's SMEM.
+
+  The residual form (``residual``, ``h_dtype``): the pieces' moments are of
+  ``x + residual``, and the kernel writing y writes h too; ``(y, mean | None, rstd, h)``.
+  """
   n_params = (weight is not None) + (bias is not None)
+  has_residual = residual is not None
+  r_bytes = residual.dtype.itemsize if has_residual else 0
   pieces, plan = config.mosaic_gpu_pieces(seg.b, x.dtype.itemsize, backward=False,
-                                          params=n_params)
+                                          params=n_params,
+                                          extra_bytes=_residual_bytes(residual, h_dtype))
   length = plan.padded
   x4 = _pieces(x.reshape(seg.n, seg.b), pieces, plan)
+  r4 = _pieces(residual.reshape(seg.n, seg.b), pieces, plan) if has_residual else None
   sums_plan = config.mosaic_gpu_plan(length, x.dtype.itemsize, backward=False, params=0,
-                                     outputs=0)
+                                     outputs=0, extra_bytes=r_bytes)
   means, m2s = _piece_sums(seg, pieces, sums_plan, x4, None, None, None, None,
-                           interpret=interpret)
+                           interpret=interpret, r4=r4)
   counts = [float(length)] * (pieces - 1) + [float(seg.b - (pieces - 1) * length)]
   if seg.centered:
     state = (counts[0], means[:, 0], m2s[:, 0])
@@ -1036,25 +1149,34 @@ def _long_forward(x, weight, bias, *, seg: common.Segments, eps: float, interpre
   launch = _Launch(seg, plan, interpret, pieces=pieces)
   params = [None if a is None else _pieces(a, pieces, plan).reshape(-1, plan.chunks, plan.width)
             for a in (weight, bias)]
-  scratch = _fwd_scratch(launch, plan, x.dtype, n_params)
+  scratch = _fwd_scratch(launch, plan, x.dtype, n_params,
+                         *((residual.dtype, h_dtype) if has_residual else ()))
   kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps, has_weight=weight is not None,
-                             has_bias=bias is not None, given=True)
-  y, = launch.call(kernel, [jax.ShapeDtypeStruct(x4.shape, x.dtype)], scratch, x4, *params,
-                   *stats, interpret=interpret, name="jax_normgrad_norm_fwd")
-  y = y.reshape(seg.n, pieces * length)[:, :seg.b].reshape(x.shape)
-  return y, (stats[0] if seg.centered else None), stats[-1]
+                             has_bias=bias is not None, given=True, has_residual=has_residual)
+  out_shape = [jax.ShapeDtypeStruct(x4.shape, x.dtype)]
+  if has_residual:
+    out_shape.append(jax.ShapeDtypeStruct(x4.shape, h_dtype))
+  outs = launch.call(kernel, out_shape, scratch, x4, r4, *params, *stats, interpret=interpret,
+                     name="jax_normgrad_norm_fwd")
+  y, *h = [a.reshape(seg.n, pieces * length)[:, :seg.b].reshape(x.shape) for a in outs]
+  return (y, (stats[0] if seg.centered else None), stats[-1], *h)
 
 
-def _long_backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, interpret):
-  """``(dx | None, dgamma | None, dbeta | None)`` of rows too long for one CTA's SMEM."""
+def _long_backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, interpret):
+  """``(dx | None, dgamma | None, dbeta | None)`` of rows too long for one CTA's SMEM.
+
+  ``dh`` (the residual form): added to dx by the kernel writing it, in float32.
+  """
   has_gamma = gamma is not None
   n_acc = mask[1] + mask[2]
   pieces, plan = config.mosaic_gpu_pieces(seg.b, x.dtype.itemsize, backward=True,
                                           params=int(has_gamma), outputs=int(mask[0]),
-                                          partials=n_acc)
+                                          partials=n_acc,
+                                          extra_bytes=0 if dh is None else dh.dtype.itemsize)
   length = plan.padded
   x4 = _pieces(x.reshape(seg.n, seg.b), pieces, plan)
   dy4 = _pieces(dy.reshape(seg.n, seg.b), pieces, plan)
+  dh4 = None if dh is None else _pieces(dh.reshape(seg.n, seg.b), pieces, plan)
   gamma4 = None if gamma is None else _pieces(gamma, pieces, plan)
   cs = []
   if mask[0]:
@@ -1066,14 +1188,16 @@ def _long_backward(dy, x, mean, rstd, gamma, *, seg: common.Segments, mask, inte
       cs.append((_ordered_sum(s1, 1) / seg.b).reshape(seg.n, 1))
     cs.append((_ordered_sum(s2, 1) / seg.b).reshape(seg.n, 1))
   launch = _Launch(seg, plan, interpret, pieces=pieces)
-  scratch = _bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc)
+  scratch = _bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc,
+                         None if dh is None else dh.dtype)
   groups = seg.param_groups * pieces
   partial = jax.ShapeDtypeStruct((groups, launch.ctas, plan.chunks, plan.width), F32)
   out_shape = ([jax.ShapeDtypeStruct(x4.shape, x.dtype)] if mask[0] else []) + [partial] * n_acc
   outs = list(launch.call(
-      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_gamma=has_gamma, given=True),
+      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_gamma=has_gamma, given=True,
+                        has_dh=dh is not None),
       out_shape, scratch, dy4, x4, mean, rstd,
-      None if gamma4 is None else gamma4.reshape(-1, plan.chunks, plan.width), *cs,
+      None if gamma4 is None else gamma4.reshape(-1, plan.chunks, plan.width), *cs, dh4,
       interpret=interpret, name="jax_normgrad_norm_bwd"))
   dx = None
   if mask[0]:
