@@ -150,7 +150,8 @@ def main(argv=None) -> int:
   parser.add_argument("--gpu-backend", choices=_implementation.GPU_BACKENDS, default="triton",
                       help="the Pallas GPU backend of the package's kernels (sets "
                       f"{_implementation.GPU_BACKEND_ENV}; what Mosaic GPU cannot run, such as "
-                      "GroupNorm, Triton runs with a FallbackWarning)")
+                      "channels-last GroupNorm past ~25K channels, Triton runs with a "
+                      "FallbackWarning)")
   parser.add_argument("--residual", action="store_true",
                       help="the fused residual form's rows and the pre-norm stack's step instead")
   args = parser.parse_args(argv)
