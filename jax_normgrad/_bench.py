@@ -365,8 +365,11 @@ def mlp_stack_step(variant, layers, hidden, ffn, dtype, tokens=4096, residual_dt
   return step, params, jax.random.normal(k[-1], (tokens, hidden), jnp.float32).astype(dtype)
 
 
-def _matmul_ops(hlo_text: str) -> set[str]:
-  """Names of the instructions of a compiled module's text that are, or fuse, a dot or convolution."""
+def _op_names(hlo_text: str) -> tuple[set[str], set[str]]:
+  """``(every instruction, the matmuls)`` of a compiled module's text, by name.
+
+  The matmuls: dots and convolutions, and fusions that contain one.
+  """
   bodies, cur = {}, None
   for line in hlo_text.splitlines():
     if line and not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
@@ -376,14 +379,17 @@ def _matmul_ops(hlo_text: str) -> set[str]:
       bodies[cur].append(line)
   heavy = {name for name, lines in bodies.items()
            if any(re.search(r" (dot|convolution)\(", x) for x in lines)}
-  names = set()
+  names, matmuls = set(), set()
   for lines in bodies.values():
     for x in lines:
-      m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? (dot|convolution|fusion)\(", x)
-      if m and (m.group(2) != "fusion" or any(f"calls=%{c}" in x or f"calls={c}" in x
-                                              for c in heavy)):
-        names.add(m.group(1))
-  return names
+      m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? ([\w\-]+)\(", x)
+      if not m:
+        continue
+      names.add(m.group(1))
+      if m.group(2) in ("dot", "convolution") or (
+          m.group(2) == "fusion" and any(re.search(rf"calls=%?{re.escape(c)}\b", x) for c in heavy)):
+        matmuls.add(m.group(1))
+  return names, matmuls
 
 
 def step_op_ms(step, args, calls: int = 5) -> dict:
@@ -397,7 +403,7 @@ def step_op_ms(step, args, calls: int = 5) -> dict:
   Perfetto trace (``create_perfetto_trace``), so it needs a backend whose
   runtime emits per-op trace events (XLA:CPU does).
   """
-  matmuls = _matmul_ops(step.lower(*args).compile().as_text())
+  names, matmuls = _op_names(step.lower(*args).compile().as_text())
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
       for _ in range(calls):
@@ -408,8 +414,8 @@ def step_op_ms(step, args, calls: int = 5) -> dict:
   ops = matmul = 0.0
   for e in events:
     name = e.get("name", "")
-    if e.get("ph") != "X" or name.startswith(("$", "end: ")) or " " in name or "::" in name:
-      continue  # Python frames, runtime spans; op events are named by the instruction
+    if e.get("ph") != "X" or name not in names:
+      continue  # Python frames, runtime spans: op events are named by their instruction
     if name in matmuls:
       matmul += e["dur"]
     ops += e["dur"]
