@@ -387,7 +387,7 @@ def _op_names(hlo_text: str) -> tuple[set[str], set[str]]:
         continue
       names.add(m.group(1))
       if m.group(2) in ("dot", "convolution") or (
-          m.group(2) == "fusion" and any(re.search(rf"calls=%?{re.escape(c)}\b", x) for c in heavy)):
+          m.group(2) == "fusion" and any(re.search(rf"calls=%?{re.escape(c)}(?![\w.])", x) for c in heavy)):
         matmuls.add(m.group(1))
   return names, matmuls
 

@@ -122,7 +122,7 @@ def test_bench_gpu_residual_smoke_run(tmp_path, capsys):
   assert bench_gpu.main(["--smoke", "--residual", "--iters", "1", "--rounds", "1",
                          "--out", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
-  assert len(rows) == len(bench_gpu.SMOKE_RESIDUAL_ROWS) + 2
+  assert len(rows) == len(bench_gpu.SMOKE_RESIDUAL_ROWS) + len(bench_gpu.STACK_ROWS)
   for r in rows:
     assert r["unfused_vs_fused"] == pytest.approx(r["unfused_ms"] / r["fused_ms"])
     if "xla_ms" in r:
@@ -175,3 +175,25 @@ def test_bench_models_transformer_variants_lower_to_their_kernels():
   # Per block two adds + norms, and the first norm: add_layer_norm's forward and
   # backward replace the drop-in's, each add one kernel less XLA pass.
   assert 0 < calls["ours"] <= calls["dropin"]
+
+
+def test_op_names_tells_matmul_fusions_by_their_whole_name():
+  """A fusion calling ``fused_computation.1`` is not a matmul because ``fused_computation`` holds a dot."""
+  from jax_normgrad import _bench
+  hlo = "\n".join([
+      "%fused_computation (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {",
+      "  ROOT %dot.0 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+      "}",
+      "%fused_computation.1 (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {",
+      "  ROOT %add.0 = f32[4,4]{1,0} add(%p0, %p1)",
+      "}",
+      "ENTRY %main.1 (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {",
+      "  %mm = f32[4,4]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_computation",
+      "  %ew = f32[4,4]{1,0} fusion(%mm, %b), kind=kLoop, calls=%fused_computation.1",
+      "  ROOT %cc = f32[4,4]{1,0} custom-call(%ew), custom_call_target=\"jax_normgrad_layer_norm_fwd\"",
+      "}",
+  ])
+  names, matmuls = _bench._op_names(hlo)
+  assert {"mm", "ew", "cc", "dot.0", "add.0"} <= names
+  assert "mm" in matmuls and "dot.0" in matmuls
+  assert "ew" not in matmuls and "cc" not in matmuls
