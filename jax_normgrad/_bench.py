@@ -386,8 +386,9 @@ def _op_names(hlo_text: str) -> tuple[set[str], set[str]]:
       if not m:
         continue
       names.add(m.group(1))
+      called = re.search(r"calls=%?([\w.\-]+)", x)
       if m.group(2) in ("dot", "convolution") or (
-          m.group(2) == "fusion" and any(re.search(rf"calls=%?{re.escape(c)}(?![\w.])", x) for c in heavy)):
+          m.group(2) == "fusion" and called is not None and called.group(1) in heavy):
         matmuls.add(m.group(1))
   return names, matmuls
 
