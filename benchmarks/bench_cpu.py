@@ -71,9 +71,6 @@ MODEL_ROWS = [
     ("ln", (8 * 256, 1024), jnp.float32),
     ("ln", (8 * 1024, 1024), jnp.float32),
 ]
-# The pre-norm MLP stack's step (--residual, --stack): (dtype, residual stream dtype; None:
-# dtype's). bfloat16 with a float32 stream is flash-attn's residual_in_fp32.
-STACK_ROWS = [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, jnp.float32)]
 # Up to one row of 2^23: the last three points have 8, 2 and 1 rows (the
 # kernels split fewer than 4 rows into column chunks across the pool).
 SWEEP_HIDDEN = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 1 << 20, 1 << 22, 1 << 23]
@@ -368,7 +365,7 @@ def main(argv=None):
                       help="only add_layer_norm / add_rms_norm (the issue's LayerNorm rows) and the "
                            "pre-norm MLP stack's training step, fused against unfused and XLA")
   parser.add_argument("--stack", action="store_true",
-                      help="only the pre-norm MLP stack's training step (STACK_ROWS) of --residual")
+                      help="only the pre-norm MLP stack's training step (_bench.STACK_ROWS) of --residual")
   parser.add_argument("--keep-freed-memory", action="store_true",
                       help="call jax_normgrad.keep_freed_memory() first (no fresh-page faults)")
   args = parser.parse_args(argv)
@@ -397,7 +394,7 @@ def main(argv=None):
       for _, shape, dtype in [row for row in ISSUE_ROWS if row[0] == "ln"]:
         rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds, settle_s))
         _bench.print_residual_rows(rows[-1:])
-    for dtype, stream in STACK_ROWS:
+    for dtype, stream in _bench.STACK_ROWS:
       rows.append(_bench.measure_stack(dtype, args.iters, args.rounds, settle_s,
                                        residual_dtype=stream, profile=True))
       _bench.print_residual_rows(rows[-1:])

@@ -72,9 +72,6 @@ RESIDUAL_ROWS = [(kind, shape, dtype) for dtype in (jnp.bfloat16, jnp.float32)
 SMOKE_RESIDUAL_ROWS = [("ln", (24, 40), jnp.float32), ("rms", (16, 72), jnp.bfloat16)]
 STACK = dict(layers=4, hidden=4096, ffn=1024, tokens=16384)
 SMOKE_STACK = dict(layers=2, hidden=64, ffn=32, tokens=32)
-# The stack's rows: (dtype, residual stream dtype; None: dtype's); bfloat16 with a float32
-# stream is flash-attn's residual_in_fp32.
-STACK_ROWS = [(jnp.bfloat16, None), (jnp.bfloat16, jnp.float32), (jnp.float32, None)]
 
 
 def workload(kind: str, shape: tuple, dtype) -> _bench.Workload:
@@ -166,7 +163,7 @@ def main(argv=None) -> int:
     for kind, shape, dtype in (SMOKE_RESIDUAL_ROWS if args.smoke else RESIDUAL_ROWS):
       rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds))
       _bench.print_residual_rows(rows[-1:])
-    for dtype, stream in STACK_ROWS:
+    for dtype, stream in _bench.STACK_ROWS:
       rows.append(_bench.measure_stack(dtype, args.iters, args.rounds, residual_dtype=stream,
                                        **(SMOKE_STACK if args.smoke else STACK)))
       _bench.print_residual_rows(rows[-1:])

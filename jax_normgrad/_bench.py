@@ -313,6 +313,9 @@ def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0):
 
 
 STACK_VARIANTS = ("fused", "unfused", "xla")
+# The stack's benchmark rows: (dtype, residual stream dtype; None: dtype's). bfloat16 with a
+# float32 stream is flash-attn's residual_in_fp32.
+STACK_ROWS = ((jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, jnp.float32))
 
 
 def mlp_stack_step(variant, layers, hidden, ffn, dtype, tokens=4096, residual_dtype=None):

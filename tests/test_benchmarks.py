@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jax_normgrad import _bench
+
 _SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu.py"
 
 
@@ -122,7 +124,7 @@ def test_bench_gpu_residual_smoke_run(tmp_path, capsys):
   assert bench_gpu.main(["--smoke", "--residual", "--iters", "1", "--rounds", "1",
                          "--out", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
-  assert len(rows) == len(bench_gpu.SMOKE_RESIDUAL_ROWS) + len(bench_gpu.STACK_ROWS)
+  assert len(rows) == len(bench_gpu.SMOKE_RESIDUAL_ROWS) + len(_bench.STACK_ROWS)
   for r in rows:
     assert r["unfused_vs_fused"] == pytest.approx(r["unfused_ms"] / r["fused_ms"])
     if "xla_ms" in r:
@@ -179,7 +181,6 @@ def test_bench_models_transformer_variants_lower_to_their_kernels():
 
 def test_op_names_tells_matmul_fusions_by_their_whole_name():
   """A fusion calling ``fused_computation.1`` is not a matmul because ``fused_computation`` holds a dot."""
-  from jax_normgrad import _bench
   hlo = "\n".join([
       "%fused_computation (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {",
       "  ROOT %dot.0 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
