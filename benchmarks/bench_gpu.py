@@ -21,8 +21,11 @@ measures, in interleaved rounds within one process:
 * ``jax.grad`` of each layer (forward + backward, as in training);
 * a device-to-device copy of x (read x, write a new buffer): the copy roof.
 
-Every figure is a median of ``--iters`` calls after warm-up, each call ended
-by ``block_until_ready``. Bandwidth figures count the bytes a kernel must
+Every figure is a median of ``--iters`` samples after warm-up; each sample is
+the mean time of calls issued back to back for about ``--batch-ms`` and
+blocked once (``_bench.call_times_ms``): one call blocked alone would time its
+dispatch and synchronisation, tens of microseconds, with a kernel that takes
+about as long at these sizes. Bandwidth figures count the bytes a kernel must
 move: forward x read and y written, backward x and dy read and dx written
 (the statistics and parameters are small); ``*_of_copy`` is that bandwidth
 over the copy's (read + write) in the same run. The JSON holds every row,
@@ -40,6 +43,7 @@ import datetime
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -88,7 +92,7 @@ def _copy(x):
   return jnp.copy(x)
 
 
-def measure(kind: str, shape: tuple, dtype, *, iters: int, rounds: int) -> dict:
+def measure(kind: str, shape: tuple, dtype, *, iters: int, rounds: int, batch_ms: float = 0.0) -> dict:
   """One row: medians over ``rounds`` interleaved rounds of ``iters / rounds`` calls each."""
   wl = workload(kind, shape, dtype)
   x = wl.xla_fwd[1][0]
@@ -101,7 +105,7 @@ def measure(kind: str, shape: tuple, dtype, *, iters: int, rounds: int) -> dict:
         (f"{v}_{who}", getattr(wl, f"{who}_{v}")) for v in VARIANTS for who in ("ours", "xla")]:
       fn, args = variant
       samples.setdefault(name, []).extend(
-          _bench.call_times_ms(fn, *args, warmup=warmup, iters=per_round))
+          _bench.call_times_ms(fn, *args, warmup=warmup, iters=per_round, batch_ms=batch_ms))
   row = {"workload": wl.name, "kind": kind, "shape": list(shape), "dtype": jnp.dtype(dtype).name,
          "rounds": rounds, "calls": per_round * rounds}
   for name, times in samples.items():
@@ -133,10 +137,21 @@ def print_table(rows: list[dict], out=sys.stdout) -> None:
           f"| {r['grad_vs_xla']:.2f}x |", file=out)
 
 
+def _driver() -> str | None:
+  """The NVIDIA driver's version, from nvidia-smi where there is one."""
+  try:
+    run = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return run.stdout.strip().splitlines()[0] if run.returncode == 0 and run.stdout.strip() else None
+
+
 def machine() -> dict:
   dev = jax.devices()[0]
   return {"platform": dev.platform, "device_kind": getattr(dev, "device_kind", "?"),
-          "core_count": getattr(dev, "core_count", None), "devices": len(jax.devices())}
+          "core_count": getattr(dev, "core_count", None), "devices": len(jax.devices()),
+          "driver": _driver() if dev.platform == "gpu" else None}
 
 
 def main(argv=None) -> int:
@@ -145,6 +160,9 @@ def main(argv=None) -> int:
                       "gpu_<date>_<device>.json)")
   parser.add_argument("--iters", type=int, default=40, help="timed calls per variant (all rounds)")
   parser.add_argument("--rounds", type=int, default=4)
+  parser.add_argument("--batch-ms", type=float, default=2.0,
+                      help="each sample: calls issued back to back for about this long, blocked "
+                      "once (0: each call blocked and timed alone)")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU smoke test)")
   parser.add_argument("--only", default="", help="run the rows whose name contains this text")
   parser.add_argument("--gpu-backend", choices=_implementation.GPU_BACKENDS, default="triton",
@@ -158,37 +176,46 @@ def main(argv=None) -> int:
   os.environ[_implementation.GPU_BACKEND_ENV] = args.gpu_backend
   if jax.default_backend() != "gpu" and not args.smoke:
     print(f"note: no GPU ({jax.default_backend()}); these are not GPU figures", file=sys.stderr)
+  info = machine()
+  date = datetime.date.today().isoformat()
+  out = args.out or (pathlib.Path(__file__).parent / "recorded" /
+                     f"gpu_{date}_{info['device_kind'].replace(' ', '_')}"
+                     f"{'' if args.gpu_backend == 'triton' else '_' + args.gpu_backend}"
+                     f"{'_residual' if args.residual else ''}.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
   rows = []
+
+  def save():  # after every row: a run cut short keeps what it measured
+    out.write_text(json.dumps({"date": date, "machine": info, "versions": _bench.versions(),
+                               "command": " ".join(sys.argv), "gpu_backend": args.gpu_backend,
+                               "batch_ms": args.batch_ms, "rows": rows}, indent=1))
+
   if args.residual:
     for kind, shape, dtype in (SMOKE_RESIDUAL_ROWS if args.smoke else RESIDUAL_ROWS):
-      rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds))
+      rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds,
+                                          batch_ms=args.batch_ms))
       _bench.print_residual_rows(rows[-1:])
+      save()
     for dtype, stream in _bench.STACK_ROWS:
       rows.append(_bench.measure_stack(dtype, args.iters, args.rounds, residual_dtype=stream,
                                        **(SMOKE_STACK if args.smoke else STACK)))
       _bench.print_residual_rows(rows[-1:])
+      save()
   for kind, shape, dtype in ([] if args.residual else SMOKE_ROWS if args.smoke else ROWS):
     name = f"{kind} {'x'.join(map(str, shape))} {jnp.dtype(dtype).name}"
     if args.only and args.only not in name:
       continue
     t0 = time.perf_counter()
-    row = measure(kind, shape, dtype, iters=args.iters, rounds=args.rounds)
+    row = measure(kind, shape, dtype, iters=args.iters, rounds=args.rounds,
+                  batch_ms=args.batch_ms)
     rows.append(row)
+    save()
     print(f"{row['workload']}: bwd {row['bwd_ours_ms']:.3f} ms ({row['bwd_vs_xla']:.2f}x XLA, "
           f"{row['bwd_ours_of_copy']:.0%} of copy), fwd {row['fwd_ours_ms']:.3f} ms "
           f"({row['fwd_vs_xla']:.2f}x XLA) [{time.perf_counter() - t0:.1f} s]", file=sys.stderr)
   if not args.residual:
     print_table(rows)
-  info = machine()
-  result = {"date": datetime.date.today().isoformat(), "machine": info,
-            "versions": _bench.versions(), "command": " ".join(sys.argv),
-            "gpu_backend": args.gpu_backend, "rows": rows}
-  out = args.out or (pathlib.Path(__file__).parent / "recorded" /
-                     f"gpu_{result['date']}_{info['device_kind'].replace(' ', '_')}"
-                     f"{'' if args.gpu_backend == 'triton' else '_' + args.gpu_backend}"
-                     f"{'_residual' if args.residual else ''}.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+  save()
   print(f"wrote {out}", file=sys.stderr)
   return 0
 

@@ -28,7 +28,7 @@ PRIMITIVE_OPS = {
 
 
 def _report_platform() -> dict:
-  platform = jax.default_backend()
+  platform = _implementation.default_platform()
   impls = {name: _implementation.default_for(name, platform)
            for name in _implementation.primitive_names()}
   return {"platform": platform, "devices": [str(d) for d in jax.devices()],

@@ -10,6 +10,7 @@ import dataclasses
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import statistics
@@ -25,16 +26,31 @@ import jax_normgrad as jn
 
 
 def call_times_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15,
-                  min_time_s: float = 0.0) -> list[float]:
-  """Wall times of ``iters`` calls ``fn(*args)`` (and more until ``min_time_s``), ms, after warm-up, blocking on each result."""
+                  min_time_s: float = 0.0, batch_ms: float = 0.0) -> list[float]:
+  """Wall times of ``iters`` calls ``fn(*args)`` (and more until ``min_time_s``), ms, after warm-up.
+
+  By default each call is blocked on and timed alone. ``batch_ms`` > 0: each
+  sample is the mean of ``k`` calls issued back to back and blocked once,
+  ``k`` (1 to 100) chosen after the warm-up so that a sample lasts about
+  ``batch_ms``. On a GPU a call's dispatch and synchronisation cost tens of
+  microseconds, about as long as a norm kernel over 100 MB; issued back to
+  back, the calls queue on the device and the sample is the kernels' time.
+  ``fn`` must not donate its arguments.
+  """
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
+  k = 1
+  if batch_ms > 0:
+    t0 = time.perf_counter()
+    jax.block_until_ready([fn(*args) for _ in range(5)])
+    per_call_ms = 1e3 * (time.perf_counter() - t0) / 5
+    k = max(1, min(100, math.ceil(batch_ms / max(per_call_ms, 1e-3))))
   times = []
   start = time.perf_counter()
   while len(times) < iters or time.perf_counter() - start < min_time_s:
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - t0))
+    jax.block_until_ready(fn(*args) if k == 1 else [fn(*args) for _ in range(k)])
+    times.append(1e3 * (time.perf_counter() - t0) / k)
   return times
 
 
@@ -287,8 +303,11 @@ def residual_variants(kind, dtype):
   return {name: step(f) for name, f in (("fused", fused), ("unfused", unfused), ("xla", xla))}
 
 
-def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0):
-  """One residual row: each variant's median over interleaved rounds, and the ratios to fused."""
+def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0, batch_ms=0.0):
+  """One residual row: each variant's median over interleaved rounds, and the ratios to fused.
+
+  ``batch_ms``: passed to :func:`call_times_ms` (the GPU benchmark times calls back to back).
+  """
   rows_, hidden = shape
   k = jax.random.split(jax.random.key(0), 6)
   x, r, dy, dh = (jax.random.normal(ki, shape, jnp.float32).astype(dtype) for ki in k[:4])
@@ -301,7 +320,7 @@ def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0):
     for name, fn in variants.items():
       time.sleep(settle_s)
       samples[name] += call_times_ms(fn, x, r, w, b, dy, dh, warmup=3 if rnd == 0 else 1,
-                                            iters=per_round)
+                                     iters=per_round, batch_ms=batch_ms)
   row = {"workload": f"add_{'layer' if kind == 'ln' else 'rms'}_norm {rows_}x{hidden} "
                      f"{jnp.dtype(dtype).name}", "shape": list(shape),
          "dtype": jnp.dtype(dtype).name, "rounds": rounds}

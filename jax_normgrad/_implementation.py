@@ -20,7 +20,8 @@ unless the environment variable ``JAX_NORMGRAD_GPU_BACKEND`` says
 CUDA where they can, and Triton runs, with a warning, what they cannot (ROCm,
 GroupNorm, rows too long for them). "triton" and "mosaic_gpu" force a
 backend: one that cannot run the problem raises. Triton stays the default
-until the Mosaic GPU kernels have passed their tests on an H100.
+until the Mosaic GPU kernels, which passed their tests on an H100, are timed
+there at least as fast.
 
 Where the default kernel does not exist yet, the pure-JAX reference ("xla")
 runs instead and a one-time warning says so: no fallback is silent. An
@@ -36,6 +37,7 @@ import warnings
 from typing import Callable
 
 import jax
+import jax.extend.backend
 import numpy as np
 from jax.interpreters import mlir
 
@@ -130,6 +132,19 @@ def gpu_backend(implementation: str, platform: str, op: str) -> pallas_common.Gp
               f"kernels run instead.")
     return pallas_common.TRITON
   return pallas_common.GpuBackend("mosaic_gpu", forced=False)
+
+
+def default_platform() -> str:
+  """The lowering platform ("cpu", "cuda", "rocm", "tpu") of JAX's default backend.
+
+  ``jax.default_backend()`` says "gpu" for CUDA and ROCm alike; lowerings are
+  registered per platform, and the backend's platform version tells the two apart.
+  """
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return backend
+  version = jax.extend.backend.get_backend().platform_version.lower()
+  return "rocm" if "rocm" in version else "cuda"
 
 
 def default_for(prim_name: str, platform: str) -> str:

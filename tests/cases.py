@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_normgrad import _implementation
+
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 MASKS = list(itertools.product([True, False], repeat=3))
 
@@ -120,3 +122,55 @@ def child_env(**extra) -> dict:
   env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
   env.update(extra)
   return env
+
+
+#: The lowering platform the suite runs on ("cpu", "cuda", "rocm", "tpu"): the default
+#: implementation is the CPU custom call on "cpu" and the Pallas kernels elsewhere.
+PLATFORM = _implementation.default_platform()
+
+# The Pallas kernels' names (``pallas_call(name=...)``) by direction, whatever the op.
+_PALLAS_KERNELS = {"fwd": "jax_normgrad_norm_fwd", "bwd": "jax_normgrad_norm_bwd"}
+
+
+def kernel_launches(text: str, target: str = "jax_normgrad_") -> int:
+  """The launches, in lowered ``text``, of the kernels that serve ``target`` on :data:`PLATFORM`.
+
+  ``target`` is a CPU custom-call target (``jax_normgrad_layer_norm_fwd``) or a
+  prefix of them. On CPU the count is of custom calls to it. On a GPU or TPU the
+  Pallas kernels serve it, named by direction and shared by the ops
+  (``jax_normgrad_norm_fwd...`` for a ``_fwd`` target, ``jax_normgrad_norm_bwd...``
+  for ``_bwd``, any ``jax_normgrad_`` kernel for a prefix); the count is of the
+  custom-call lines naming one. A primitive can launch several Pallas kernels
+  (statistics, partial sums), so only the CPU count is exact: see
+  :func:`assert_launches`.
+  """
+  if PLATFORM == "cpu":
+    return text.count(f"custom_call @{target}")
+  name = next((n for d, n in _PALLAS_KERNELS.items() if target.endswith(f"_{d}")), "jax_normgrad_")
+  return sum(1 for line in text.splitlines() if "custom_call" in line and name in line)
+
+
+def runs_kernels(implementation) -> bool:
+  """Whether ``implementation`` lowers to kernel launches on :data:`PLATFORM`: the default and
+  "ffi" on CPU (where the Pallas test classes run interpreted, with no custom call), every
+  implementation but "xla" on a GPU or TPU."""
+  if PLATFORM == "cpu":
+    return implementation in (None, "ffi")
+  return implementation != "xla"
+
+
+def assert_launches(count: int, cpu_count: int, what: str = "") -> None:
+  """``count`` (of :func:`kernel_launches`) is ``cpu_count`` on CPU; on a GPU or TPU, at least
+  one where the CPU has any and none where it has none (the Pallas kernels split the work
+  their own way)."""
+  if PLATFORM == "cpu":
+    assert count == cpu_count, (what, count, cpu_count)
+  else:
+    assert (count > 0) == (cpu_count > 0), (what, count, cpu_count)
+
+
+def on_cpu():
+  """A context in which jitted code without committed operands lowers and runs on the CPU:
+  for the tests of the CPU kernels themselves (their FFI attributes, errors and call
+  structure), which a GPU machine's default device would otherwise not reach."""
+  return jax.default_device(jax.devices("cpu")[0])

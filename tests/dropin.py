@@ -11,6 +11,7 @@ import numpy as np
 
 import jax_normgrad as jn
 from jax_normgrad import _implementation
+from cases import kernel_launches
 
 #: Relative tolerance (to the array's max |value|) of one result: a few roundings of its dtype
 #: (the kernels and the original round the same float32 value, in another order of operations).
@@ -45,14 +46,14 @@ def assert_same_structure(ours, theirs, what=""):
 
 
 def kernel_calls(fn, *args) -> int:
-  """How many jax_normgrad custom calls the jitted ``fn`` lowers to (CPU)."""
-  return jax.jit(fn).lower(*args).as_text().count("custom_call @jax_normgrad_")
+  """How many jax_normgrad kernel launches the jitted ``fn`` lowers to (``cases.kernel_launches``)."""
+  return kernel_launches(jax.jit(fn).lower(*args).as_text())
 
 
 def run_jitted(fn, *args):
-  """``(jit(fn)(*args), number of jax_normgrad custom calls in it)``, traced and compiled once."""
+  """``(jit(fn)(*args), number of jax_normgrad kernel launches in it)``, traced and compiled once."""
   lowered = jax.jit(fn).lower(*args)
-  return lowered.compile()(*args), lowered.as_text().count("custom_call @jax_normgrad_")
+  return lowered.compile()(*args), kernel_launches(lowered.as_text())
 
 
 def normal(shape, dtype=jnp.float32, seed=0, offset=0.0, scale=1.0):

@@ -12,7 +12,8 @@ import pytest
 
 import jax_normgrad as jn
 from jax_normgrad.pallas import common, config, gpu as pallas_gpu, tpu as pallas_tpu
-from cases import MASKS, export_for, needs_mosaic_gpu, random, rotate
+from cases import (MASKS, assert_launches, export_for, kernel_launches, needs_mosaic_gpu, on_cpu,
+                   random, rotate)
 import reference_np as ref
 from tolerances import assert_close
 
@@ -188,7 +189,14 @@ class TestAddNormDefault(AddNormTests):
   implementation = None
 
   def test_one_kernel_call_each_way(self, rng):
-    """The CPU kernels run fused: one forward and one backward custom call, no separate add pass."""
+    """The CPU kernels run fused: one forward and one backward custom call, no separate add pass.
+
+    On the CPU device wherever the suite runs: the GPU and TPU kernels' fusion is
+    test_pallas_export_lowers_to_the_fused_kernels'."""
+    with on_cpu():
+      self._check_one_kernel_call_each_way(rng)
+
+  def _check_one_kernel_call_each_way(self, rng):
     x, r, w, b = _inputs(rng, (4, 32), (32,), "wb", F32, None)
 
     def loss(x, r, w, b):
@@ -387,7 +395,7 @@ class TestAddNormDropins:
       for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
       text = jax.jit(jax.grad(loss)).lower(params, x, r).as_text()
-      assert text.count("jax_normgrad_layer_norm_fwd") == 1
+      assert_launches(kernel_launches(text, "jax_normgrad_layer_norm_fwd"), 1)
       # flax's float32 result of a 16-bit x: the add before the plain drop-in, announced.
       with pytest.warns(jn.FallbackWarning, match="result dtype float32"):
         y, h = layer.apply(params, x.astype(BF16), r.astype(BF16))

@@ -133,6 +133,33 @@ def test_bench_gpu_residual_smoke_run(tmp_path, capsys):
   assert "add_rms_norm 16x72 bfloat16" in text and "mlp stack step 2x(32x64, ffn 32)" in text
 
 
+def test_gpu_sweep_smoke_run(tmp_path, capsys):
+  """The tile-heuristic sweep: every configuration of every row timed and checked against the
+  default (on CPU the overrides change nothing, so the outputs agree exactly)."""
+  import json
+  sweep = _load_script("gpu_sweep.py")
+  out = tmp_path / "sweep.json"
+  assert sweep.main(["--smoke", "--iters", "2", "--rounds", "1", "--configs",
+                     "default,partials_rows1", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["kind"] for r in rows] == [k for k, _, _ in sweep.SMOKE_ROWS]
+  for r in rows:
+    assert set(r["configs"]) == {"default", "partials_rows1"}
+    for c in r["configs"].values():
+      assert c["fwd_ms"] > 0 and c["bwd_ms"] > 0
+      assert c["fwd_max_rel_err_vs_default"] == c["bwd_max_rel_err_vs_default"] == 0
+  assert "partials_rows1 fwd / bwd ms" in capsys.readouterr().out
+
+
+def test_call_times_ms_batches_calls():
+  """batch_ms: each sample is the mean of calls issued back to back; as many samples as asked."""
+  calls = []
+  fn = lambda x: calls.append(1) or x + 1
+  times = _bench.call_times_ms(fn, jnp.ones(4), warmup=1, iters=3, batch_ms=1e6)
+  assert len(times) == 3 and all(t >= 0 for t in times)
+  assert len(calls) == 1 + 5 + 3 * 100  # warm-up, the estimate, 3 samples of at most 100 calls
+
+
 # ----------------------------------------------------------------------------
 # benchmarks/bench_models.py: the norms inside small models, on tiny models.
 

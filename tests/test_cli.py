@@ -9,6 +9,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
+import cases
 from jax_normgrad import __main__ as cli
 from jax_normgrad import _bench
 
@@ -18,10 +19,11 @@ def test_cli_json_parses_and_exits_0():
                        capture_output=True, text=True)
   assert run.returncode == 0, run.stderr[-3000:]
   report = json.loads(run.stdout)
-  assert report["ok"] is True and report["platform"] == "cpu"
+  assert report["ok"] is True and report["platform"] == cases.PLATFORM
+  kernel = "ffi" if cases.PLATFORM == "cpu" else "pallas"
   assert report["implementations"] == {
-      "jax_normgrad_group_norm_bwd": "ffi", "jax_normgrad_group_norm_fwd": "ffi",
-      "jax_normgrad_layer_norm_bwd": "ffi", "jax_normgrad_layer_norm_fwd": "ffi"}
+      "jax_normgrad_group_norm_bwd": kernel, "jax_normgrad_group_norm_fwd": kernel,
+      "jax_normgrad_layer_norm_bwd": kernel, "jax_normgrad_layer_norm_fwd": kernel}
   assert set(report["primitive_ops"]) == set(report["implementations"])
   assert {"jax", "jaxlib", "jax_normgrad", "python"} <= set(report["versions"])
   ops = {c["op"] for c in report["checks"]}

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_normgrad as jn
-from cases import random
+from cases import kernel_launches, random
 
 
 def _bits(outs):
@@ -111,7 +111,7 @@ def test_independent_custom_calls_in_one_program():
 
   all_args = [loads[name][1] for name in names]
   text = jax.jit(together).lower(all_args).as_text()
-  assert text.count("custom_call @jax_normgrad_") > len(names)
+  assert kernel_launches(text) >= len(names)  # each workload is the platform's kernels
   outs = jax.jit(together)(all_args)
   for name, got in zip(names, outs):
     fn, args = loads[name]

@@ -12,6 +12,7 @@ nnx = pytest.importorskip("flax.nnx")
 
 import jax_normgrad.flax as jf  # noqa: E402
 import jax_normgrad.nnx as jx  # noqa: E402
+from cases import assert_launches  # noqa: E402
 from dropin import (assert_matches_original, assert_same_structure, assert_trees_close,  # noqa: E402
                     cotangent, expect_fallback, kernel_calls, linear_loss, normal, random_like, run_jitted,
                     tol_dtype)
@@ -168,7 +169,10 @@ def test_linen_model_swap_keeps_checkpoints():
   params = random_like(v_theirs)
   ct = cotangent((6, 4, 32))
   run = lambda m: run_jitted(jax.value_and_grad(lambda p: linear_loss(m.apply(p, x), ct)), params)
-  (ours_out, calls), (theirs_out, _) = run(ours), run(theirs)
+  # Float32 dots: a GPU's default (TF32) would turn the norms' last-bit differences into
+  # differences of 1e-3 in the Dense gradients.
+  with jax.default_matmul_precision("float32"):
+    (ours_out, calls), (theirs_out, _) = run(ours), run(theirs)
   assert_trees_close(ours_out, theirs_out)
   assert calls >= 8  # forward and backward of each of the four layers
 
@@ -273,7 +277,7 @@ def test_linen_group_norm_activation_is_flax_then_the_activation(activation, dty
     ours_out, calls = run(ours.apply)
   theirs_out, _ = run(lambda p, x: act(theirs.apply(p, x)))
   assert_trees_close(ours_out, theirs_out, "loss and grads", dtype)
-  assert calls == 3  # channels last: the statistics, y, the backward
+  assert_launches(calls, 3)  # channels last, on CPU: the statistics, y, the backward
 
 
 def test_nnx_group_norm_activation_is_flax_then_the_activation():
@@ -286,7 +290,8 @@ def test_nnx_group_norm_activation_is_flax_then_the_activation():
   with expect_fallback(False):
     y, calls = run_jitted(lambda x: ours(x), x)
   assert_trees_close(y, nnx.swish(theirs(x)), "y")
-  assert calls == 2 and ours.activation == "silu"  # the statistics, then y
+  assert_launches(calls, 2)  # on CPU: the statistics, then y
+  assert ours.activation == "silu"
 
 
 def test_docs_flax_example_runs():

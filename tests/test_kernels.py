@@ -13,6 +13,14 @@ import cases
 import jax_normgrad as jn
 from jax_normgrad import _ffi
 
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels():
+  """These are the CPU kernels' tests: on the CPU device wherever the suite runs."""
+  with cases.on_cpu():
+    yield
+
+
 x = jnp.ones((8, 32), jnp.float32)
 w = jnp.ones((32,), jnp.float32)
 gx = jnp.ones((2, 8, 3, 3), jnp.float32)
@@ -464,8 +472,9 @@ def test_avx512bf16_build_computes_the_avx2_builds_bits():
     code = (f"import sys; sys.path.insert(0, {here!r}); import test_kernels as t; "
             f"import jax_normgrad._ffi as f; assert f.isa() == 'avx2', f.isa(); "
             f"t._write_build_outputs({path!r})")
+    # JAX_PLATFORMS=cpu: on a GPU machine the child's default device would run the GPU kernels.
     subprocess.run([sys.executable, "-c", code], check=True,
-                   env=dict(os.environ, JAX_NORMGRAD_ISA="avx2"))
+                   env=dict(os.environ, JAX_NORMGRAD_ISA="avx2", JAX_PLATFORMS="cpu"))
     with np.load(path) as got:
       theirs = [got[f"arr_{i}"] for i in range(len(got.files))]
   ours = [a for i in range(len(_BUILD_CASES)) for a in _build_case_outputs(i)]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_normgrad as jn
-from cases import DTYPES, random
+from cases import DTYPES, kernel_launches, random, runs_kernels
 import reference_np as ref
 from tolerances import assert_close
 
@@ -78,7 +78,8 @@ class LayerNormOptionTests:
     # The lowered backward is the custom call in normalized mode.
     text = jax.jit(jax.grad(lambda x, w, b: jnp.sum(f(x, w, b)), argnums=(0, 1, 2))).lower(
         x, w, b).as_text()
-    assert ("jax_normgrad_layer_norm_bwd" in text) == (self.implementation is None)
+    assert ((kernel_launches(text, "jax_normgrad_layer_norm_bwd") > 0)
+            == runs_kernels(self.implementation))
 
   @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
   @pytest.mark.parametrize("save", ["input", "normalized"])
@@ -98,7 +99,13 @@ class LayerNormOptionTests:
     # The fwd/backward ops take the same offset.
     y2, mean2, rstd2 = jn.layer_norm_fwd(x, norm_shape, w, b, EPS, scale_offset=1.0,
                                          implementation=self.implementation)
-    np.testing.assert_array_equal(np.asarray(y2.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
+    if self.implementation == "xla":
+      # Two jnp programs, which XLA may fuse differently (on a GPU, with other FMA
+      # contractions): equal to the reference, not always to the last bit of each other.
+      assert_close(y2, y_ref, dtype, 60, "y of layer_norm_fwd")
+    else:  # one kernel, the same forward pass in both
+      np.testing.assert_array_equal(np.asarray(y2.astype(jnp.float32)),
+                                    np.asarray(y.astype(jnp.float32)))
     dx, dw, db = jn.layer_norm_backward(dy, x, norm_shape, mean2, rstd2, w, b, scale_offset=1.0,
                                         implementation=self.implementation)
     dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, x, 2, mean2, rstd2, w_eff)

@@ -257,6 +257,20 @@ def test_deterministic_across_programs(rng, backend):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("w,p,c", [(1, 1, 1), (2, 3, 40), (1, 37, 300), (3, 16, 129)])
+def test_sum_partials_tiles(rng, rows, w, p, c):
+  """The backward's partials reduction: the float32 sum over axis 1, whatever the tile's rows
+  (one row per step; tiles that overhang the last partial or the last column)."""
+  from jax_normgrad.pallas import gpu  # pylint: disable=g-import-not-at-top
+  parts = random(rng, (w, p, c), F32)
+  with config.override(gpu_partials_rows=rows):
+    got = gpu._sum_partials(parts, interpret=True)  # pylint: disable=protected-access
+  assert got.shape == (w, c) and got.dtype == F32
+  np.testing.assert_allclose(np.asarray(got), np.asarray(parts, np.float64).sum(axis=1),
+                             rtol=1e-5, atol=1e-5 * p)
+
+
 def test_vmap_with_batched_weight_matches_xla(rng):
   # vmap of the layers with batched parameters: param_groups = 3 in the kernels.
   cases = [

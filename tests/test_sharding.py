@@ -29,6 +29,7 @@ def test_on_eight_devices():
   env = cases.child_env(**{_CHILD: "1"})
   flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   env["XLA_FLAGS"] = flags.strip()
+  env["JAX_PLATFORMS"] = "cpu"  # the eight devices are CPU ones, on a GPU machine too
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                          __file__], env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

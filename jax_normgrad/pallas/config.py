@@ -3,7 +3,9 @@
 Everything here is decided at trace time from static shapes and the dtype.
 The numbers are starting points derived from hardware limits (registers per
 SM, VMEM per TensorCore, the (8, 128) TPU tiling), not measured optima: no
-GPU or TPU was available when they were chosen. Tune them here, nowhere else.
+GPU or TPU was available when they were chosen. The one GPU measurement so
+far (an H100, ``benchmarks/gpu_sweep.py``, BENCHMARKS.md) set
+``gpu_partials_rows``. Tune them here, nowhere else.
 
 GPU (Triton). A normalization segment (a LayerNorm row, a GroupNorm
 ``(sample, group)`` block) is processed as 2-D power-of-two tiles held in
@@ -50,6 +52,15 @@ class Tuning:
   #: elements per thread and compile to at most 64 registers (2 x 16 warps x
   #: 64 = the SM's 64K registers); 32-warp programs run one per SM.
   gpu_warps_per_sm: int = 32
+  #: The same for the forward, tuned apart: the backward writes one partial row
+  #: per program, the forward none. On an H100 (benchmarks/gpu_sweep.py) 64 was
+  #: 3-18% faster at rows of 1024 and 3-9% slower at 16384x4096 bfloat16 and
+  #: channels-last GroupNorm; left at 32 until a rule by tile size is measured.
+  gpu_warps_per_sm_fwd: int = 32
+  #: Rows of partial sums one step of the backward's partials reduction loads, as a
+  #: ``(rows, 128)`` tile reduced over its rows once at the end; 1 loads one row of
+  #: 256 per step (before 2026-11-25: ~1000 dependent steps at 1024 columns).
+  gpu_partials_rows: int = 16
   #: Most warps of one GPU program: 32 (1024 threads, Triton's and CUDA's
   #: limit). Capped at 16 (until 2026-11-25), the largest tiles (8192
   #: backward, 16384 forward) held 16-32 elements per thread and compiled to
@@ -130,6 +141,7 @@ class GpuPlan:
       (the whole segment in registers, x and dy read once).
     num_warps, num_stages: Triton launch parameters.
     stats_warps: ``num_warps`` of the chunked backward's statistics kernel.
+    backward: the plan of a backward kernel (its programs per SM differ).
   """
 
   tile: tuple[int, int]
@@ -137,6 +149,7 @@ class GpuPlan:
   num_warps: int
   num_stages: int
   stats_warps: int
+  backward: bool = True
 
   @property
   def fused(self) -> bool:
@@ -163,7 +176,7 @@ def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool) -> GpuP
   num_warps = min(max(elems // (32 * per_thread), 1), t.gpu_max_warps)
   return GpuPlan(tile=(ta, tb), chunks=(cdiv(segment[0], ta), cdiv(segment[1], tb)),
                  num_warps=num_warps, num_stages=2 if elems <= t.gpu_small_tile else 1,
-                 stats_warps=min(num_warps, t.gpu_max_warps_stats))
+                 stats_warps=min(num_warps, t.gpu_max_warps_stats), backward=backward)
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,12 +194,14 @@ def _attached_sms() -> int | None:
 
 
 def gpu_programs(plan: GpuPlan, *, interpret: bool) -> int:
-  """Target number of persistent programs: ``gpu_warps_per_sm`` warps' worth per SM."""
+  """Target number of persistent programs: ``gpu_warps_per_sm`` (forward:
+  ``gpu_warps_per_sm_fwd``) warps' worth per SM."""
   t = current()
   if interpret:
     return t.interpret_programs
   sms = _attached_sms() or t.gpu_default_sms
-  return sms * max(t.gpu_warps_per_sm // plan.num_warps, 1)
+  warps = t.gpu_warps_per_sm if plan.backward else t.gpu_warps_per_sm_fwd
+  return sms * max(warps // plan.num_warps, 1)
 
 
 def split(samples: int, target: int) -> tuple[int, int]:

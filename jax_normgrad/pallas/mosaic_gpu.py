@@ -58,7 +58,8 @@ Not here yet:
 Blackwell (sm_100) would change little for a memory-bound kernel: the same
 TMA and barriers apply; its larger L2 and TMA multicast over a CTA cluster
 could share the parameter rows between CTAs, and TMEM is of no use without
-matrix multiplies. None of this has run on a GPU yet (see docs/api.md).
+matrix multiplies. On an H100 (jax 0.11.2) these kernels passed the op suites' default
+classes; they have not been timed there yet (see docs/api.md).
 """
 
 from __future__ import annotations

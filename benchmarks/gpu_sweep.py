@@ -1,0 +1,140 @@
+"""Sweep of the GPU kernels' tile heuristics: ``config.Tuning`` overrides side by side, one process.
+
+Run from the repository root on a machine with a GPU::
+
+    python benchmarks/gpu_sweep.py --out sweep.json
+    python benchmarks/gpu_sweep.py --configs default,rows1 --rows "ln 32768x1024 bfloat16"
+
+Each configuration's forward and backward (``layer_norm_fwd`` /
+``layer_norm_backward`` and their RMSNorm and GroupNorm equivalents: the
+kernels alone, as in ``bench_gpu.py``) are compiled under its override
+(``config.override``, with ``jax.clear_caches()`` around it), then every
+compiled function is timed in interleaved rounds, so that each figure sees
+the same machine state. Samples are calls issued back to back and blocked
+once (``_bench.call_times_ms(batch_ms=...)``). Each configuration's outputs
+are compared with the default's: a heuristic that changes the result beyond
+float32 reordering is reported, not timed as if it were right.
+
+On a machine with no GPU, ``--smoke`` runs tiny shapes through the CPU
+kernels, where the overrides change nothing: a check of the script (the test
+suite runs it so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_normgrad import _bench
+from jax_normgrad.pallas import config
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import bench_gpu  # noqa: E402
+
+ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
+        ("rms", (32768, 1024), jnp.bfloat16), ("ln", (16384, 4096), jnp.bfloat16),
+        ("ln", (4096, 16384), jnp.float32), ("gn_nhwc", (8, 256, 64, 64, 32), jnp.float32)]
+SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32)]
+#: name -> config.Tuning changes. "default" is the package's own.
+CONFIGS = {
+    "default": {},
+    "partials_rows1": {"gpu_partials_rows": 1},
+    "partials_rows64": {"gpu_partials_rows": 64},
+    "fwd_warps64": {"gpu_warps_per_sm_fwd": 64},
+    "fwd_one_row": {"gpu_warps_per_sm_fwd": 1 << 14},  # a program per row, or nearly
+    "bwd_warps64": {"gpu_warps_per_sm": 64},
+}
+
+
+def _name(kind, shape, dtype) -> str:
+  return f"{kind} {'x'.join(map(str, shape))} {jnp.dtype(dtype).name}"
+
+
+def _max_rel_err(a, b) -> float:
+  errs = []
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    u = np.asarray(jnp.asarray(u, jnp.float32), np.float64)
+    v = np.asarray(jnp.asarray(v, jnp.float32), np.float64)
+    errs.append(float(np.max(np.abs(u - v)) / max(float(np.max(np.abs(v))), 1e-30)) if v.size else 0.0)
+  return max(errs)
+
+
+def sweep_row(kind, shape, dtype, configs: dict, *, iters: int, rounds: int,
+              batch_ms: float) -> dict:
+  wl = bench_gpu.workload(kind, shape, dtype)
+  compiled, errors = {}, {}
+  for name, changes in configs.items():
+    jax.clear_caches()
+    with config.override(**changes):
+      for v in ("fwd", "bwd"):
+        fn, args = getattr(wl, f"ours_{v}")
+        compiled[name, v] = (jax.jit(fn).lower(*args).compile(), args)
+    jax.clear_caches()
+  for v in ("fwd", "bwd"):
+    ref = compiled["default", v][0](*compiled["default", v][1]) if "default" in configs else None
+    for name in configs:
+      fn, args = compiled[name, v]
+      errors[name, v] = 0.0 if ref is None else _max_rel_err(fn(*args), ref)
+  per_round = max(1, -(-iters // rounds))
+  samples = {key: [] for key in compiled}
+  for r in range(rounds):
+    for key, (fn, args) in compiled.items():
+      samples[key] += _bench.call_times_ms(fn, *args, warmup=2 if r == 0 else 1,
+                                           iters=per_round, batch_ms=batch_ms)
+  row = {"workload": wl.name, "kind": kind, "shape": list(shape), "dtype": jnp.dtype(dtype).name,
+         "nbytes_fwd": wl.nbytes_fwd, "nbytes_bwd": wl.nbytes_bwd, "configs": {}}
+  for name in configs:
+    row["configs"][name] = {
+        f"{v}_{what}": value for v in ("fwd", "bwd")
+        for what, value in (("ms", float(np.median(samples[name, v]))),
+                            ("max_rel_err_vs_default", errors[name, v]))}
+  return row
+
+
+def print_rows(rows, configs, out=sys.stdout):
+  head = "| row | " + " | ".join(f"{c} fwd / bwd ms" for c in configs) + " |"
+  print(head, file=out)
+  print("|" + " --- |" * (len(configs) + 1), file=out)
+  for row in rows:
+    cells = []
+    for c in configs:
+      r = row["configs"][c]
+      bad = max(r["fwd_max_rel_err_vs_default"], r["bwd_max_rel_err_vs_default"]) > 1e-3
+      cells.append(f"{r['fwd_ms']:.3f} / {r['bwd_ms']:.3f}{' (DIFFERS)' if bad else ''}")
+    print(f"| {row['workload']} | " + " | ".join(cells) + " |", file=out)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", type=pathlib.Path, required=True)
+  parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+  parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+  parser.add_argument("--iters", type=int, default=24)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--batch-ms", type=float, default=2.0)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted (no GPU)")
+  args = parser.parse_args(argv)
+  configs = {name: CONFIGS[name] for name in args.configs.split(",")}
+  wanted = [r for r in args.rows.split(",") if r]
+  rows_spec = [r for r in (SMOKE_ROWS if args.smoke else ROWS)
+               if not wanted or _name(*r) in wanted]
+  rows = []
+  for kind, shape, dtype in rows_spec:
+    rows.append(sweep_row(kind, shape, dtype, configs, iters=args.iters, rounds=args.rounds,
+                          batch_ms=args.batch_ms))
+    print_rows(rows[-1:], configs, out=sys.stderr)
+    args.out.write_text(json.dumps({"machine": bench_gpu.machine(), "versions": _bench.versions(),
+                                    "command": " ".join(sys.argv), "configs": configs,
+                                    "rows": rows}, indent=1))
+  print_rows(rows, configs)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
