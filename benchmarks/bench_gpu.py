@@ -183,10 +183,10 @@ def main(argv=None) -> int:
                      f"{'' if args.gpu_backend == 'triton' else '_' + args.gpu_backend}"
                      f"{'_residual' if args.residual else ''}.json")
   out.parent.mkdir(parents=True, exist_ok=True)
-  rows = []
+  rows, versions = [], _bench.versions()
 
   def save():  # after every row: a run cut short keeps what it measured
-    out.write_text(json.dumps({"date": date, "machine": info, "versions": _bench.versions(),
+    out.write_text(json.dumps({"date": date, "machine": info, "versions": versions,
                                "command": " ".join(sys.argv), "gpu_backend": args.gpu_backend,
                                "batch_ms": args.batch_ms, "rows": rows}, indent=1))
 

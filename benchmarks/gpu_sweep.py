@@ -56,15 +56,6 @@ def _name(kind, shape, dtype) -> str:
   return f"{kind} {'x'.join(map(str, shape))} {jnp.dtype(dtype).name}"
 
 
-def _max_rel_err(a, b) -> float:
-  errs = []
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    u = np.asarray(jnp.asarray(u, jnp.float32), np.float64)
-    v = np.asarray(jnp.asarray(v, jnp.float32), np.float64)
-    errs.append(float(np.max(np.abs(u - v)) / max(float(np.max(np.abs(v))), 1e-30)) if v.size else 0.0)
-  return max(errs)
-
-
 def sweep_row(kind, shape, dtype, configs: dict, *, iters: int, rounds: int,
               batch_ms: float) -> dict:
   wl = bench_gpu.workload(kind, shape, dtype)
@@ -80,7 +71,8 @@ def sweep_row(kind, shape, dtype, configs: dict, *, iters: int, rounds: int,
     ref = compiled["default", v][0](*compiled["default", v][1]) if "default" in configs else None
     for name in configs:
       fn, args = compiled[name, v]
-      errors[name, v] = 0.0 if ref is None else _max_rel_err(fn(*args), ref)
+      errors[name, v] = 0.0 if ref is None else max(
+          _bench.max_rel_err(u, w) for u, w in zip(jax.tree.leaves(fn(*args)), jax.tree.leaves(ref)))
   per_round = max(1, -(-iters // rounds))
   samples = {key: [] for key in compiled}
   for r in range(rounds):

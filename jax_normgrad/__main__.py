@@ -9,7 +9,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_normgrad as jn
 from jax_normgrad import _bench, _ffi, _implementation
@@ -37,12 +36,6 @@ def _report_platform() -> dict:
           "cpu_kernel_isa": _ffi.isa(), "versions": _bench.versions()}
 
 
-def _max_rel_err(a, b) -> float:
-  a = np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
-  b = np.asarray(jnp.asarray(b).astype(jnp.float32), np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)) if b.size else 0.0
-
-
 # Relative error (to the output's max) allowed between the kernel and the
 # float32 reference: a couple of roundings of the output dtype.
 _TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1.6e-2, jnp.dtype(jnp.float16): 2e-3}
@@ -56,7 +49,7 @@ def _checks():
   def check(name, fn, dtype):
     ours = jax.tree.leaves(fn(None))
     ref = jax.tree.leaves(fn("xla"))
-    err = max(_max_rel_err(a, b) for a, b in zip(ours, ref))
+    err = max(_bench.max_rel_err(a, b) for a, b in zip(ours, ref))
     ok = math.isfinite(err) and err <= _TOL[jnp.dtype(dtype)]
     # JSON has no NaN: a non-finite error is reported as null (and fails).
     results.append({"op": name, "dtype": jnp.dtype(dtype).name,

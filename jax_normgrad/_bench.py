@@ -54,6 +54,13 @@ def call_times_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15,
   return times
 
 
+def max_rel_err(a, b) -> float:
+  """``max |a - b|`` over ``max |b|`` (0 for empty arrays), both read as float32."""
+  a = np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b).astype(jnp.float32), np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)) if b.size else 0.0
+
+
 def median_ms(fn: Callable, *args, **kw) -> float:
   """Median wall time of ``fn(*args)`` in milliseconds (see :func:`call_times_ms` for ``kw``)."""
   return statistics.median(call_times_ms(fn, *args, **kw))
