@@ -17,10 +17,10 @@
 #   bench          benchmarks/bench_gpu.py, every row (Triton)
 #   residual       benchmarks/bench_gpu.py --residual
 #   mosaic-bench   bench_gpu.py --only ln with --gpu-backend mosaic_gpu, then with Triton
-# Each stage's time limit is its own cap or what is left of the budget, whichever is less.
 #   sweep          benchmarks/gpu_sweep.py (tile heuristics)
 #   tests          the op suites on the GPU (pytest-xdist), installed package, cut at the deadline
 #   mosaic-tests   the op suites' Default classes with JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu
+# Each stage's time limit is its own cap or what is left of the budget, whichever is less.
 # env.txt (nvidia-smi, versions) is always written first. The last lines printed are a
 # summary (the device tool returns the end of the output); at the end every file in $OUT
 # goes into $OUT/session.tgz (the device tool brings back at most 8 files).
