@@ -110,18 +110,18 @@ def main(argv=None) -> int:
   parser.add_argument("--iters", type=int, default=24)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--batch-ms", type=float, default=2.0)
-  parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted (no GPU)")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes (a check of the script, no GPU)")
   args = parser.parse_args(argv)
   configs = {name: CONFIGS[name] for name in args.configs.split(",")}
   wanted = [r for r in args.rows.split(",") if r]
   rows_spec = [r for r in (SMOKE_ROWS if args.smoke else ROWS)
                if not wanted or _name(*r) in wanted]
-  rows = []
+  rows, info, versions = [], bench_gpu.machine(), _bench.versions()
   for kind, shape, dtype in rows_spec:
     rows.append(sweep_row(kind, shape, dtype, configs, iters=args.iters, rounds=args.rounds,
                           batch_ms=args.batch_ms))
     print_rows(rows[-1:], configs, out=sys.stderr)
-    args.out.write_text(json.dumps({"machine": bench_gpu.machine(), "versions": _bench.versions(),
+    args.out.write_text(json.dumps({"machine": info, "versions": versions,
                                     "command": " ".join(sys.argv), "configs": configs,
                                     "rows": rows}, indent=1))
   print_rows(rows, configs)

@@ -80,6 +80,15 @@ def rng():
   return np.random.default_rng(0)
 
 
+@pytest.fixture
+def cpu_device():
+  """The test runs on the CPU device wherever the suite runs (``cases.on_cpu``): for the tests
+  of the CPU kernels themselves, which a GPU machine's default device would not reach."""
+  import cases  # pylint: disable=g-import-not-at-top
+  with cases.on_cpu():
+    yield
+
+
 def pytest_generate_tests(metafunc):
   """Parametrizes test arguments from the ``cases`` dict of the test's class.
 

@@ -12,8 +12,8 @@ import pytest
 
 import jax_normgrad as jn
 from jax_normgrad.pallas import common, config, gpu as pallas_gpu, tpu as pallas_tpu
-from cases import (MASKS, assert_launches, export_for, kernel_launches, needs_mosaic_gpu, on_cpu,
-                   random, rotate)
+from cases import (MASKS, assert_launches, export_for, kernel_launches, needs_mosaic_gpu, random,
+                   rotate)
 import reference_np as ref
 from tolerances import assert_close
 
@@ -188,15 +188,12 @@ class AddNormTests:
 class TestAddNormDefault(AddNormTests):
   implementation = None
 
+  @pytest.mark.usefixtures("cpu_device")
   def test_one_kernel_call_each_way(self, rng):
     """The CPU kernels run fused: one forward and one backward custom call, no separate add pass.
 
     On the CPU device wherever the suite runs: the GPU and TPU kernels' fusion is
     test_pallas_export_lowers_to_the_fused_kernels'."""
-    with on_cpu():
-      self._check_one_kernel_call_each_way(rng)
-
-  def _check_one_kernel_call_each_way(self, rng):
     x, r, w, b = _inputs(rng, (4, 32), (32,), "wb", F32, None)
 
     def loss(x, r, w, b):

@@ -13,12 +13,8 @@ import cases
 import jax_normgrad as jn
 from jax_normgrad import _ffi
 
-
-@pytest.fixture(autouse=True)
-def _cpu_kernels():
-  """These are the CPU kernels' tests: on the CPU device wherever the suite runs."""
-  with cases.on_cpu():
-    yield
+# These are the CPU kernels' tests: on the CPU device wherever the suite runs.
+pytestmark = pytest.mark.usefixtures("cpu_device")
 
 
 x = jnp.ones((8, 32), jnp.float32)

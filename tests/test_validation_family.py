@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import jax_normgrad as jn
-from cases import on_cpu
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -184,6 +183,7 @@ def test_accepted_variants():
   jn.rms_norm(X, H, scale_offset=np.float32(1.0))
 
 
+@pytest.mark.usefixtures("cpu_device")  # the CPU handlers' test
 @pytest.mark.parametrize("target", ["jax_normgrad_layer_norm_fwd", "jax_normgrad_layer_norm_bwd"])
 def test_kernels_check_sizes(target):
   """The C++ handlers refuse inconsistent operands with an error, never a crash."""
@@ -205,5 +205,5 @@ def test_kernels_check_sizes(target):
                              param_groups=1, has_weight=False, compute_dx=True,
                              compute_dweight=False, compute_dbias=False, centered=True,
                              normalized=True, write_xhat=False, has_dh=False)
-  with pytest.raises(Exception, match="xhat|rstd"), on_cpu():  # the CPU handlers' test
+  with pytest.raises(Exception, match="xhat|rstd"):
     jax.block_until_ready(jax.jit(call)())
