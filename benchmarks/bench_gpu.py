@@ -93,7 +93,7 @@ def _copy(x):
 
 
 def measure(kind: str, shape: tuple, dtype, *, iters: int, rounds: int, batch_ms: float = 0.0) -> dict:
-  """One row: medians over ``rounds`` interleaved rounds of ``iters / rounds`` calls each."""
+  """One row: medians over ``rounds`` interleaved rounds of ``iters / rounds`` samples each."""
   wl = workload(kind, shape, dtype)
   x = wl.xla_fwd[1][0]
   copy = (jax.jit(_copy), (x,))
