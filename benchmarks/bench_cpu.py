@@ -15,8 +15,9 @@ Every figure is a median after warm-up (block_until_ready), all variants of a
 row measured in the same process in interleaved rounds (--rounds; each round
 times every column in turn, so a slow spell of the shared machine is spread
 over the columns instead of landing on one). Before each column's calls the
-run pauses (--settle-ms) and makes one untimed call, so threads another
-runtime left spinning do not take a core from it (see SETTLE_S). The floor
+run pauses (--settle-ms), so threads another runtime left spinning do not
+take a core from it (see SETTLE_S), then warms up with untimed calls for
+_bench.WARMUP_MS, so the column is timed in its steady state. The floor
 of a backward is the bytes it must move (read x and dy, write dx), of a
 forward those of reading x and writing y, over the memory bandwidth
 measured in the same run (a STREAM-like triad: PyTorch's on all its threads
@@ -202,9 +203,11 @@ def measure(kind, shape, dtype, bandwidth, iters, rounds=3, settle_s=SETTLE_S):
   """One row: every column's median over ``rounds`` interleaved rounds.
 
   Each round times, one after another, ours, XLA's and PyTorch's backward,
-  then the three forwards, then ``jax.grad`` of ours and of XLA's, each
-  ``iters / rounds`` calls after a ``settle_s`` pause and warm-up calls
-  (three in the first round, then one; none with ``settle_s=0``). The
+  then the forwards (and XLA's one pass, ``Workload.xla_pass``), then
+  ``jax.grad`` of ours and of XLA's, each ``iters / rounds`` calls after a
+  ``settle_s`` pause and warm-up calls (three in the first round, then
+  one, then more until ``_bench.WARMUP_MS`` have passed; none with
+  ``settle_s=0``). The
   column's figure is the median of all its calls: a slow spell of the
   shared machine lands in every column's samples rather than in one
   column's. ``<variant>_vs_xla_rounds`` / ``bwd_vs_torch_rounds`` give
@@ -220,18 +223,24 @@ def measure(kind, shape, dtype, bandwidth, iters, rounds=3, settle_s=SETTLE_S):
   round_medians = {}
   for r in range(rounds):
     warmup = 3 if r == 0 else (1 if settle_s else 0)
+    warmup_ms = _bench.WARMUP_MS if settle_s else 0.0
     for variant in ("bwd", "fwd", "grad"):
-      for who in ("ours", "xla", "torch"):
+      for who in ("ours", "xla", "pass", "torch"):
         if who == "torch" and (tc is None or variant == "grad"):
+          continue
+        if who == "pass" and variant != "fwd":
           continue
         time.sleep(settle_s)
         if who == "torch":
+          t0 = time.perf_counter()
           for _ in range(warmup):
+            tc[variant]()
+          while 1e3 * (time.perf_counter() - t0) < warmup_ms:
             tc[variant]()
           times = [tc[variant]() for _ in range(per_round)]
         else:
-          fn, args = getattr(wl, f"{who}_{variant}")
-          times = _bench.call_times_ms(fn, *args, warmup=warmup, iters=per_round)
+          fn, args = wl.xla_pass if who == "pass" else getattr(wl, f"{who}_{variant}")
+          times = _bench.call_times_ms(fn, *args, warmup=warmup, iters=per_round, warmup_ms=warmup_ms)
         samples.setdefault((variant, who), []).extend(times)
         round_medians.setdefault((variant, who), []).append(float(np.median(times)))
   for (variant, who), times in samples.items():
@@ -250,6 +259,9 @@ def measure(kind, shape, dtype, bandwidth, iters, rounds=3, settle_s=SETTLE_S):
   row["fwd_vs_xla"] = row["fwd_xla_ms"] / row["fwd_ours_ms"]
   row["fwd_vs_floor"] = row["fwd_ours_ms"] / row["fwd_floor_ms"]
   row["fwd_xla_vs_floor"] = row["fwd_xla_ms"] / row["fwd_floor_ms"]
+  # XLA's forward over XLA's one elementwise pass (Workload.xla_pass): the
+  # lead over XLA of a forward as fast as that pass.
+  row["fwd_xla_vs_pass"] = row["fwd_xla_ms"] / row["fwd_pass_ms"]
   row["bwd_ours_gbs"] = wl.nbytes_bwd / (row["bwd_ours_ms"] * 1e-3) / 1e9
   row["bwd_vs_xla"] = row["bwd_xla_ms"] / row["bwd_ours_ms"]
   row["bwd_vs_floor"] = row["bwd_ours_ms"] / row["bwd_floor_ms"]
@@ -273,7 +285,7 @@ def measure(kind, shape, dtype, bandwidth, iters, rounds=3, settle_s=SETTLE_S):
 def print_table(rows):
   print(f"{'workload':36s} {'floor':>6s} {'ours':>7s} {'XLA':>7s} {'torch':>7s}"
         f" {'xXLA':>6s} {'xtorch':>7s} {'/floor':>7s} | {'fwd floor':>9s} {'ours':>7s} {'XLA':>7s}"
-        f" {'torch':>7s} {'XLA/floor':>9s}"
+        f" {'torch':>7s} {'XLA/floor':>9s} {'XLA/pass':>8s}"
         f" | {'grad ours':>9s} {'XLA':>7s} | {'flax drop-in':>12s} {'flax.linen':>10s}")
   for r in rows:
     torch_b = f"{r['bwd_torch_ms']:7.2f}" if "bwd_torch_ms" in r else "      -"
@@ -282,7 +294,8 @@ def print_table(rows):
     print(f"{r['workload']:36s} {r['bwd_floor_ms']:6.2f} {r['bwd_ours_ms']:7.2f} "
           f"{r['bwd_xla_ms']:7.2f} {torch_b} {r['bwd_vs_xla']:5.1f}x {vs_t} "
           f"{r['bwd_vs_floor']:6.2f}x | {r['fwd_floor_ms']:9.2f} {r['fwd_ours_ms']:7.2f} "
-          f"{r['fwd_xla_ms']:7.2f} {torch_f} {r['fwd_xla_vs_floor']:8.2f}x | "
+          f"{r['fwd_xla_ms']:7.2f} {torch_f} {r['fwd_xla_vs_floor']:8.2f}x "
+          f"{r.get('fwd_xla_vs_pass', float('nan')):7.2f}x | "
           f"{r['grad_ours_ms']:9.2f} {r['grad_xla_ms']:7.2f} | "
           f"{r.get('flax_grad_ours_ms', float('nan')):12.2f} {r.get('flax_grad_flax_ms', float('nan')):10.2f}"
           + (f" | value_and_grad: {r['flax_vg_ours_ms']:.2f} {r['flax_vg_flax_ms']:.2f}"

@@ -23,6 +23,14 @@ in their norms:
   ``dropin`` (``h = h + out`` then the plain drop-in, what ``patch()``
   gives) and ``identity`` (the add alone).
 
+Both models also run ``affine``: each norm replaced by its affine part
+(``x * scale + bias``, flax's parameters, no statistics), a second stand-in
+for a free norm. ``identity`` also drops the norms' parameters, their
+optimizer updates and the gradient paths to them: in the transformer the
+first norm reads the model's input, so the identity step computes no input
+gradient of the first attention's projections, work that no norm kernel
+can save. Savings are reported against both.
+
 Each step is ``jax.value_and_grad`` of an MSE loss plus an optimizer update
 (optax's adam where installed, else SGD), jitted. The variants of a model
 are timed in interleaved rounds (each round times every variant in turn,
@@ -76,6 +84,25 @@ def fused_activation_available() -> bool:
 # UNet-style residual blocks.
 
 
+class Affine(nn.Module):
+  """A norm without its statistics: ``x * scale (+ bias)`` over the last axis, a norm's parameters.
+
+  The ``affine`` variants' stand-in for a free norm. Unlike ``identity`` it
+  keeps what the norms bring besides their statistics: their parameters
+  and optimizer updates, and the gradient paths to them (a transformer's
+  first norm reads the model's input, so without a parameter there nothing
+  before the first attention's projections needs an input gradient).
+  """
+
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    y = x * self.param("scale", nn.initializers.ones, (d,))
+    return y + self.param("bias", nn.initializers.zeros, (d,)) if self.use_bias else y
+
+
 class NormSiLU(nn.Module):
   """GroupNorm then SiLU, in one of the variants (parameters named as flax's GroupNorm's)."""
 
@@ -92,6 +119,8 @@ class NormSiLU(nn.Module):
       return jnf.GroupNorm(num_groups=self.groups, activation="silu")(x)
     if self.variant == "identity":
       return nn.silu(x)
+    if self.variant == "affine":
+      return nn.silu(Affine()(x))
     raise ValueError(f"variant: unknown {self.variant!r}")
 
 
@@ -129,7 +158,7 @@ class UNetStack(nn.Module):
 
 
 def unet_variants() -> tuple[str, ...]:
-  return ("flax", "ours") + (("fused",) if fused_activation_available() else ()) + ("identity",)
+  return ("flax", "ours") + (("fused",) if fused_activation_available() else ()) + ("identity", "affine")
 
 
 def unet_setup(variant: str, size: str = "default"):
@@ -179,6 +208,8 @@ class AddNorm(nn.Module):
     h = x if residual is None else x + residual
     if self.variant == "identity":
       return h, h
+    if self.variant == "affine":
+      return Affine(use_bias=centered)(h), h
     mod = nn if self.variant == "flax" else jnf
     return (mod.LayerNorm() if centered else mod.RMSNorm())(h), h
 
@@ -208,7 +239,9 @@ class PreNormStack(nn.Module):
     return y
 
 
-TRANSFORMER_VARIANTS = ("flax", "ours", "dropin", "identity")
+TRANSFORMER_VARIANTS = ("flax", "ours", "dropin", "identity", "affine")
+# The variants without this package's kernels: the reference and the two stand-ins for a free norm.
+BASELINES = ("flax", "identity", "affine")
 
 
 def transformer_setup(variant: str, norm: str = "layer", size: str = "default"):
@@ -293,10 +326,13 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   """One model: each variant's step in interleaved rounds; the medians, shares and savings.
 
   ``setups``: variant -> ``(model, x, target)``; must hold ``flax`` and
-  ``identity``. Returns ``{"model", "variants", "rounds", "<variant>_ms",
-  "<variant>_rounds_ms", "<variant>_loss", "<variant>_params",
-  "<variant>_custom_calls", "norm_share", "<variant>_saves"}`` with ``<variant>_saves = (flax - variant) / (flax -
-  identity)`` for each package variant (the share of the norm time saved).
+  ``identity`` (``affine`` optional). Returns ``{"model", "variants",
+  "rounds", "<variant>_ms", "<variant>_rounds_ms", "<variant>_loss",
+  "<variant>_params", "<variant>_custom_calls", "norm_share",
+  "<variant>_saves"}`` with ``<variant>_saves = (flax - variant) / (flax -
+  identity)`` for each package variant (the share of the norm time saved);
+  with ``affine``, also ``norm_ms_affine = flax - affine`` and
+  ``<variant>_saves_vs_affine`` against that.
   """
   steps = {v: training_step(*s) for v, s in setups.items()}
   per_round = max(1, -(-iters // rounds))
@@ -319,10 +355,14 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   flax_ms, none_ms = row["flax_ms"], row["identity_ms"]
   row["norm_ms"] = flax_ms - none_ms
   row["norm_share"] = row["norm_ms"] / flax_ms
+  if "affine" in steps:
+    row["norm_ms_affine"] = flax_ms - row["affine_ms"]
   for v in steps:
-    if v not in ("flax", "identity"):
+    if v not in BASELINES:
       row[f"{v}_vs_flax"] = flax_ms / row[f"{v}_ms"]
       row[f"{v}_saves"] = (flax_ms - row[f"{v}_ms"]) / row["norm_ms"] if row["norm_ms"] > 0 else None
+      if row.get("norm_ms_affine", 0) > 0:
+        row[f"{v}_saves_vs_affine"] = (flax_ms - row[f"{v}_ms"]) / row["norm_ms_affine"]
   return row
 
 
@@ -333,9 +373,13 @@ def print_row(row: dict):
     saves = row.get(f"{v}_saves")
     extra = (f"  {row[f'{v}_vs_flax']:.3f}x flax's, saves {100 * saves:5.1f}% of the norm time"
              if saves is not None else "")
+    if f"{v}_saves_vs_affine" in row:
+      extra += f" ({100 * row[f'{v}_saves_vs_affine']:.1f}% against affine)"
     print(f"  {v:9s} {row[f'{v}_ms']:9.2f} ms  ({row[f'{v}_custom_calls']} custom calls;"
           f" by round {' '.join(f'{t:.1f}' for t in row[f'{v}_rounds_ms'])}){extra}", flush=True)
-  print(f"  norms: {row['norm_ms']:.2f} ms, {100 * row['norm_share']:.1f}% of flax's step", flush=True)
+  print(f"  norms: {row['norm_ms']:.2f} ms, {100 * row['norm_share']:.1f}% of flax's step"
+        + (f"; {row['norm_ms_affine']:.2f} ms against affine" if "norm_ms_affine" in row else ""),
+        flush=True)
 
 
 def main(argv=None):

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -139,6 +140,25 @@ inline void StoreFence() {
 #endif
 }
 
+// How long the calling thread of a ParallelFor spins for the helpers' last
+// tasks before it sleeps on a condition variable. Waking a sleeping thread
+// costs tens of microseconds on a VM, as long as a whole small kernel; the
+// helpers' last tasks usually end sooner. Only the waiting changes, never
+// which task computes what. Zen 5 VM, float32, processes alternating
+// between builds (5 each), 60 blocked calls after 30 ms of warm-up, median
+// ms, condition variable only -> spin first: LayerNorm 2048x512 forward
+// 0.176 -> 0.113, backward 0.390 -> 0.227, jax.grad 0.458 -> 0.337;
+// 2048x1024 0.30 -> 0.25, 0.73 -> 0.61, 1.01 -> 0.96; 8192x1024 and the
+// channels-last GroupNorm rows within the noise (0.84-1.28x per row; 8
+// rounds more of 8x32x32x64: forward 1.23x, backward 1.21x, grad 1.09x).
+constexpr int64_t kSpinWaitMicros = 100;
+
+inline void CpuRelax() {
+#if defined(__SSE2__)
+  _mm_pause();
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // Deterministic parallel-for on the FFI thread pool.
 //
@@ -182,10 +202,20 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t num_tasks, const Fn& fn) {
   int64_t helpers = std::min<int64_t>(threads, num_tasks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool->Schedule(decltype(worker)(worker));
   worker();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] {
-    return state->done.load(std::memory_order_acquire) == num_tasks;
-  });
+  // Every index is claimed: what is left is at most one task per helper,
+  // already running. Spin for it a while before sleeping on the condition
+  // variable (see kSpinWaitMicros).
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinWaitMicros);
+  while (state->done.load(std::memory_order_acquire) != num_tasks) {
+    if (std::chrono::steady_clock::now() > spin_until) {
+      std::unique_lock<std::mutex> lock(state->mu);
+      state->cv.wait(lock, [&] {
+        return state->done.load(std::memory_order_acquire) == num_tasks;
+      });
+      return;
+    }
+    CpuRelax();
+  }
 }
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

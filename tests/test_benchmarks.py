@@ -31,8 +31,9 @@ def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype, monkeypatch):
   assert row["rounds"] == 2
   assert row["settle_s"] == bench_cpu.SETTLE_S
   # One pause before every column of every round: ours and XLA's backward,
-  # forward and grad, and PyTorch's backward and forward where installed.
-  columns = 6 + (2 if "bwd_torch_ms" in row else 0)
+  # forward and grad, XLA's one pass, and PyTorch's backward and forward
+  # where installed.
+  columns = 7 + (2 if "bwd_torch_ms" in row else 0)
   assert pauses == [bench_cpu.SETTLE_S] * (2 * columns)
   for variant in ("bwd", "fwd", "grad"):
     for who in ("ours", "xla"):
@@ -43,6 +44,7 @@ def test_measure_interleaves_rounds(bench_cpu, kind, shape, dtype, monkeypatch):
   assert row["fwd_floor_ms"] == pytest.approx(row["bwd_floor_ms"] * 2 / 3)
   assert row["fwd_xla_vs_floor"] == pytest.approx(row["fwd_xla_ms"] / row["fwd_floor_ms"])
   assert row["fwd_vs_xla"] == pytest.approx(row["fwd_xla_ms"] / row["fwd_ours_ms"])
+  assert row["fwd_xla_vs_pass"] == pytest.approx(row["fwd_xla_ms"] / row["fwd_pass_ms"])
   if "bwd_torch_ms" in row:  # PyTorch is optional
     assert len(row["bwd_vs_torch_rounds"]) == 2
   bench_cpu.print_table([row])
@@ -160,6 +162,22 @@ def test_call_times_ms_batches_calls():
   assert len(calls) == 1 + 5 + 3 * 100  # warm-up, the estimate, 3 samples of at most 100 calls
 
 
+def test_call_times_ms_warms_up_for_warmup_ms(monkeypatch):
+  """warmup_ms: untimed calls go on until that long after the first (a fake clock: 1 ms per call)."""
+  clock = [0.0]
+  monkeypatch.setattr(_bench.time, "perf_counter", lambda: clock[0])
+  calls = []
+
+  def fn(x):
+    calls.append(1)
+    clock[0] += 1e-3
+    return x
+
+  times = _bench.call_times_ms(fn, jnp.ones(4), warmup=1, iters=2, warmup_ms=5.0)
+  assert len(times) == 2
+  assert len(calls) == 5 + 2  # warm-up calls until 5 ms had passed, then the timed ones
+
+
 # ----------------------------------------------------------------------------
 # benchmarks/bench_models.py: the norms inside small models, on tiny models.
 
@@ -176,16 +194,18 @@ def test_bench_models_quick_unet_reports_share_and_savings(tmp_path, capsys):
   (row,) = result["rows"]
   assert row["variants"] == list(bench_models.unet_variants())
   # flax's layers and the identities run no kernel; every package variant does.
-  assert row["flax_custom_calls"] == row["identity_custom_calls"] == 0
+  assert row["flax_custom_calls"] == row["identity_custom_calls"] == row["affine_custom_calls"] == 0
   for v in row["variants"]:
     assert row[f"{v}_ms"] > 0
-    if v not in ("flax", "identity"):
+    if v not in bench_models.BASELINES:
       assert row[f"{v}_custom_calls"] > 0
       assert row[f"{v}_vs_flax"] == pytest.approx(row["flax_ms"] / row[f"{v}_ms"])
       assert row[f"{v}_loss"] == pytest.approx(row["flax_loss"], rel=1e-4)
   assert row["norm_share"] == pytest.approx((row["flax_ms"] - row["identity_ms"]) / row["flax_ms"])
-  # The variants differ in their norms only: the same parameters, less the identities' norms.
-  assert row["ours_params"] == row["flax_params"] > row["identity_params"]
+  assert row["norm_ms_affine"] == pytest.approx(row["flax_ms"] - row["affine_ms"])
+  # The variants differ in their norms only: the same parameters (the affine
+  # stand-in's too), less the identities' norms.
+  assert row["ours_params"] == row["flax_params"] == row["affine_params"] > row["identity_params"]
   assert "norms:" in capsys.readouterr().out
 
 
@@ -200,7 +220,7 @@ def test_bench_models_transformer_variants_lower_to_their_kernels():
     step = jax.jit(lambda p, x, t, model=model: jax.grad(
         lambda p: jnp.mean(jnp.square(model.apply(p, x) - t)))(p))
     calls[v] = bench_models.custom_calls(step, (params, x, target))
-  assert calls["flax"] == calls["identity"] == 0
+  assert calls["flax"] == calls["identity"] == calls["affine"] == 0
   # Per block two adds + norms, and the first norm: add_layer_norm's forward and
   # backward replace the drop-in's, each add one kernel less XLA pass.
   assert 0 < calls["ours"] <= calls["dropin"]
