@@ -232,11 +232,7 @@ def measure(kind, shape, dtype, bandwidth, iters, rounds=3, settle_s=SETTLE_S):
           continue
         time.sleep(settle_s)
         if who == "torch":
-          t0 = time.perf_counter()
-          for _ in range(warmup):
-            tc[variant]()
-          while 1e3 * (time.perf_counter() - t0) < warmup_ms:
-            tc[variant]()
+          _bench.warm_up(tc[variant], warmup, warmup_ms)
           times = [tc[variant]() for _ in range(per_round)]
         else:
           fn, args = wl.xla_pass if who == "pass" else getattr(wl, f"{who}_{variant}")

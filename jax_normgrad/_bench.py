@@ -16,13 +16,22 @@ import re
 import statistics
 import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_normgrad as jn
+
+
+def warm_up(call: Callable[[], Any], count: int, ms: float = 0.0) -> None:
+  """Calls ``call()`` ``count`` times, then more until ``ms`` have passed since the first."""
+  t0 = time.perf_counter()
+  for _ in range(count):
+    call()
+  while 1e3 * (time.perf_counter() - t0) < ms:
+    call()
 
 
 def call_times_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15,
@@ -41,11 +50,7 @@ def call_times_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15,
   back, the calls queue on the device and the sample is the kernels' time.
   ``fn`` must not donate its arguments.
   """
-  t0 = time.perf_counter()
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  while 1e3 * (time.perf_counter() - t0) < warmup_ms:
-    jax.block_until_ready(fn(*args))
+  warm_up(lambda: jax.block_until_ready(fn(*args)), warmup, warmup_ms)
   k = 1
   if batch_ms > 0:
     t0 = time.perf_counter()
