@@ -72,6 +72,12 @@ MODEL_ROWS = [
     ("ln", (8 * 256, 1024), jnp.float32),
     ("ln", (8 * 1024, 1024), jnp.float32),
 ]
+# --residual's op rows (add_layer_norm / add_rms_norm each): the issue's
+# LayerNorm shapes, then bfloat16 activations with a float32 residual stream
+# (residual_dtype=float32, flash-attn's residual_in_fp32): (shape, dtype,
+# stream dtype; None: dtype's).
+RESIDUAL_ROWS = [(shape, dtype, None) for kind, shape, dtype in ISSUE_ROWS if kind == "ln"] + [
+    ((8192, 1024), jnp.bfloat16, jnp.float32)]
 # Up to one row of 2^23: the last three points have 8, 2 and 1 rows (the
 # kernels split fewer than 4 rows into column chunks across the pool).
 SWEEP_HIDDEN = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 1 << 20, 1 << 22, 1 << 23]
@@ -400,8 +406,9 @@ def main(argv=None):
   rows = []
   if args.residual or args.stack:
     for kind in ("ln", "rms") if args.residual else ():
-      for _, shape, dtype in [row for row in ISSUE_ROWS if row[0] == "ln"]:
-        rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds, settle_s))
+      for shape, dtype, stream in RESIDUAL_ROWS:
+        rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds, settle_s,
+                                            residual_dtype=stream))
         _bench.print_residual_rows(rows[-1:])
     for dtype, stream in _bench.STACK_ROWS:
       rows.append(_bench.measure_stack(dtype, args.iters, args.rounds, settle_s,

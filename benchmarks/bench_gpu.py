@@ -71,9 +71,13 @@ VARIANTS = ("fwd", "bwd", "grad")
 # --residual: add_layer_norm / add_rms_norm forward + backward against this package's
 # layer_norm(x + residual) and XLA's autodiff (_bench.measure_residual), then a pre-norm MLP
 # stack's training step with and without the fused form (_bench.measure_stack).
-RESIDUAL_ROWS = [(kind, shape, dtype) for dtype in (jnp.bfloat16, jnp.float32)
+# (kind, shape, dtype, residual stream dtype; None: dtype's).
+RESIDUAL_ROWS = [(kind, shape, dtype, stream)
+                 for dtype, stream in ((jnp.bfloat16, None), (jnp.float32, None),
+                                       (jnp.bfloat16, jnp.float32))
                  for kind in ("ln", "rms") for shape in ((32768, 1024), (16384, 4096))]
-SMOKE_RESIDUAL_ROWS = [("ln", (24, 40), jnp.float32), ("rms", (16, 72), jnp.bfloat16)]
+SMOKE_RESIDUAL_ROWS = [("ln", (24, 40), jnp.float32, None), ("rms", (16, 72), jnp.bfloat16, None),
+                       ("rms", (16, 72), jnp.bfloat16, jnp.float32)]
 STACK = dict(layers=4, hidden=4096, ffn=1024, tokens=16384)
 SMOKE_STACK = dict(layers=2, hidden=64, ffn=32, tokens=32)
 
@@ -191,9 +195,9 @@ def main(argv=None) -> int:
                                "batch_ms": args.batch_ms, "rows": rows}, indent=1))
 
   if args.residual:
-    for kind, shape, dtype in (SMOKE_RESIDUAL_ROWS if args.smoke else RESIDUAL_ROWS):
+    for kind, shape, dtype, stream in (SMOKE_RESIDUAL_ROWS if args.smoke else RESIDUAL_ROWS):
       rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds,
-                                          batch_ms=args.batch_ms))
+                                          batch_ms=args.batch_ms, residual_dtype=stream))
       _bench.print_residual_rows(rows[-1:])
       save()
     for dtype, stream in _bench.STACK_ROWS:

@@ -210,7 +210,11 @@ void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const Tp* w, const T
 // normalized: x already holds xhat (the forward saved it instead of x), there
 // is no mean, and rstd (null when dx is not computed) only scales dx.
 // xhat_out (optional) receives xhat in T (AscendC's res_for_gamma). dy is
-// in Tdy: T, or float32 where the forward's y was.
+// in Tdy: T, or float32 where the forward's y was, or (float32 x: the
+// residual form's float32 h) the 16-bit dtype of its y. dx_dy (optional,
+// with dx) receives dx once more, rounded to Tdy: the residual form's
+// gradient of a 16-bit x when h is float32, so that no XLA pass widens dy
+// before the kernel or rounds dx after it.
 template <typename T, typename Tdy, typename Tp, bool kDx, bool kDw, bool kDb>
 struct LayerNormBwd {
   const Tdy* dy;
@@ -220,10 +224,24 @@ struct LayerNormBwd {
   const Tp* w;  // this group's weight row, float32 or x's dtype
   const T* dh;  // added into dx (the residual form; null: none)
   T* dx;
+  Tdy* dx_dy;  // dx in dy's dtype too (with dh; null: none)
   T* xhat_out;
   int64_t H;
   bool centered, normalized;
   bool stream_dx;  // dx by non-temporal stores where a row is aligned (StStream)
+
+  // Whether the row loop's vector stores at p (Tdy) are as aligned as those
+  // at q (T), which ForRowWide aligns: p's offset within a 64-byte line,
+  // scaled to T's size, equals q's. So where q's stores may stream, p's may.
+  static bool AlignedAlike(const Tdy* p, const T* q) {
+    if constexpr (sizeof(Tdy) > sizeof(T)) {
+      return false;
+    } else {
+      constexpr uintptr_t kRatio = sizeof(T) / sizeof(Tdy);
+      return (reinterpret_cast<uintptr_t>(p) % (64 / kRatio)) * kRatio ==
+             reinterpret_cast<uintptr_t>(q) % 64;
+    }
+  }
 
   float Mu(int64_t i) const { return (centered && !normalized) ? mean[i] : 0.f; }
   float Rs(int64_t i) const { return rstd ? rstd[i] : 1.f; }
@@ -258,22 +276,26 @@ struct LayerNormBwd {
   // column c0 of the accumulators, which it adds to, or overwrites when
   // kOverwrite (the first row into outputs nobody zeroed). Prefetches the
   // line `ahead` elements on in dy and x (0: none).
-  // The residual form's dh (kDh) is an instantiation of its own: the plain
-  // loop stays as it was.
-  template <bool kOverwrite = false, bool kDh = false>
+  // The residual form's dh (kDh) and second dx (kDxDy) are instantiations
+  // of their own (FusedResidual): the plain loop stays as it was.
+  template <bool kOverwrite = false, bool kDh = false, bool kDxDy = false>
   void Fused(int64_t i, int64_t c0, int64_t n, float b, float k, float* dw, float* db,
              int64_t ahead) const {
-    if constexpr (kDx && !kDh) {
-      if (dh) return FusedDh<kOverwrite>(i, c0, n, b, k, dw, db, ahead);
+    if constexpr (kDx && !kDh && !kDxDy) {
+      if (dh || dx_dy) return FusedResidual<kOverwrite>(i, c0, n, b, k, dw, db, ahead);
     }
     const Tdy* dyr = dy + i * H + c0;
     const T* xr = x + i * H + c0;
     const Tp* wr = w + c0;
     T* dxr = kDx ? dx + i * H + c0 : nullptr;
     [[maybe_unused]] const T* dhr = kDh ? dh + i * H + c0 : nullptr;
+    [[maybe_unused]] Tdy* dx2r = kDxDy ? dx_dy + i * H + c0 : nullptr;
     T* xo = xhat_out ? xhat_out + i * H + c0 : nullptr;
     const float mu = Mu(i), rs = Rs(i), xs = Xs(i);
     const bool stream = kDx && StreamRow(stream_dx, dxr);
+    [[maybe_unused]] bool stream2 = false;
+    if constexpr (kDxDy)
+      stream2 = stream && (sizeof(Tdy) == 4 || kStreamNarrowRows) && AlignedAlike(dx2r, dxr);
     ForRowWide(dxr, n, [&](auto tag, int64_t j) {
       if (ahead) PrefetchLine(tag, dyr + ahead + j), PrefetchLine(tag, xr + ahead + j);
       auto d = Ld(tag, dyr + j);
@@ -285,6 +307,7 @@ struct LayerNormBwd {
           g = g + Ld(tag, dhr + j);
         }
         StOut(tag, dxr + j, g, stream);
+        if constexpr (kDxDy) StOut(tag, dx2r + j, g, stream2);
       }
       if (kDw) St(tag, dw + j, kOverwrite ? d * xh : Ld(tag, dw + j) + d * xh);
       if (kDb) St(tag, db + j, kOverwrite ? d : Ld(tag, db + j) + d);
@@ -292,12 +315,16 @@ struct LayerNormBwd {
     });
   }
 
-  // Not inlined into the plain Fused, whose code (and its inlining into Rows)
-  // then stays what it was without the residual form.
+  // The residual form's loops (dh, and dx in dy's dtype too: kDxDy), each an
+  // instantiation of its own. Not inlined into the plain Fused, whose code
+  // (and its inlining into Rows) then stays what it was without them.
   template <bool kOverwrite>
-  __attribute__((noinline)) void FusedDh(int64_t i, int64_t c0, int64_t n, float b, float k,
-                                         float* dw, float* db, int64_t ahead) const {
-    Fused<kOverwrite, true>(i, c0, n, b, k, dw, db, ahead);
+  __attribute__((noinline)) void FusedResidual(int64_t i, int64_t c0, int64_t n, float b,
+                                               float k, float* dw, float* db,
+                                               int64_t ahead) const {
+    if (!dx_dy) return Fused<kOverwrite, true, false>(i, c0, n, b, k, dw, db, ahead);
+    if (!dh) return Fused<kOverwrite, false, true>(i, c0, n, b, k, dw, db, ahead);
+    Fused<kOverwrite, true, true>(i, c0, n, b, k, dw, db, ahead);
   }
 
   // Rows [row_begin, row_end) whole, into this task's dw/db accumulators.
@@ -441,15 +468,19 @@ ffi::Error DispatchFwdTypes(const ffi::AnyBuffer& x, ffi::DataType y_dtype,
 }
 
 // fn(T{}, Tdy{}, Tp{}): the backward's storage types of x, dy and weight.
+// dy is x's dtype or float32, or any of the three with a float32 x (the
+// residual form's float32 h under a 16-bit y).
 template <typename Fn>
 ffi::Error DispatchBwdTypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
                             const ffi::AnyBuffer& weight, bool has_weight, bool widen, Fn&& fn) {
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    return DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out", [&](auto dytag) {
+    auto with_dy = [&](auto dytag) {
       return DispatchParams<T>(x, weight, has_weight, weight, false, widen,
                                [&](auto ptag) { return fn(tag, dytag, ptag); });
-    });
+    };
+    if constexpr (sizeof(T) == 4) return DispatchFloat(dy.element_type(), "grad_out", with_dy);
+    return DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out", with_dy);
   });
 }
 
@@ -558,10 +589,11 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
                             ffi::Result<ffi::AnyBuffer> dx,
                             ffi::ResultBuffer<ffi::F32> dweight,
                             ffi::ResultBuffer<ffi::F32> dbias,
-                            ffi::Result<ffi::AnyBuffer> xhat, int64_t param_groups,
+                            ffi::Result<ffi::AnyBuffer> xhat,
+                            ffi::Result<ffi::AnyBuffer> dx_dy, int64_t param_groups,
                             bool has_weight, bool compute_dx, bool compute_dweight,
                             bool compute_dbias, bool centered, bool normalized,
-                            bool write_xhat, bool has_dh) {
+                            bool write_xhat, bool has_dh, bool write_dx_dy) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x: expected rank 2 (rows, H)");
   const int64_t M = dims[0], H = dims[1], W = param_groups;
@@ -586,6 +618,12 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     return ffi::Error::InvalidArgument("dh: added into grad_input, which is not computed");
   if (has_dh && dh.element_type() != x.element_type())
     return ffi::Error::InvalidArgument("dh: dtype must match x");
+  JNG_RETURN_IF_ERROR(CheckSize("grad_input_dy_dtype", dx_dy->element_count(),
+                                write_dx_dy ? M * H : 0));
+  if (write_dx_dy && !compute_dx)
+    return ffi::Error::InvalidArgument("grad_input_dy_dtype: needs grad_input, which is not computed");
+  if (write_dx_dy && dx_dy->element_type() != dy.element_type())
+    return ffi::Error::InvalidArgument("grad_input_dy_dtype: dtype must match grad_out");
   float* dw_out = compute_dweight ? dweight->typed_data() : nullptr;
   float* db_out = compute_dbias ? dbias->typed_data() : nullptr;
   const int64_t rows_per_group = M / W;
@@ -611,7 +649,8 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   if (M == 0 || H == 0) return ffi::Error::Success();
 
   ffi::ThreadPool* pool_p = PoolFor(&pool, static_cast<int64_t>(
-      x.size_bytes() + dy.size_bytes() + dx->size_bytes() + dh.size_bytes()));
+      x.size_bytes() + dy.size_bytes() + dx->size_bytes() + dh.size_bytes() +
+      dx_dy->size_bytes()));
   const float* mean_p = centered && !normalized ? mean.typed_data() : nullptr;
   const float* rstd_p = needs_rstd ? rstd.typed_data() : nullptr;
 
@@ -651,12 +690,14 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
         StreamOutput(static_cast<int64_t>(x.size_bytes() + dy.size_bytes() + dx->size_bytes()));
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
     const T* dhp = has_dh ? reinterpret_cast<const T*>(dh.untyped_data()) : nullptr;
+    Tdy* dx_dyp = write_dx_dy ? reinterpret_cast<Tdy*>(dx_dy->untyped_data()) : nullptr;
+    AdviseHugePages(dx_dyp, static_cast<int64_t>(dx_dy->size_bytes()));
     WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
       using Op = LayerNormBwd<T, Tdy, Tp, decltype(kdx)::value, decltype(kdw)::value,
                               decltype(kdb)::value>;
       auto op_of = [&](int64_t grp) {
-        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dhp, dxp, xhp, H, centered, normalized,
-                  stream_dx};
+        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dhp, dxp, dx_dyp, xhp, H, centered,
+                  normalized, stream_dx};
       };
       if (column_chunks) {
         for (int64_t grp = 0; grp < W; ++grp)
@@ -721,6 +762,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_IS
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dweight (W, H) or (0)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dbias (W, H) or (0)
                                   .Ret<xla::ffi::AnyBuffer>()               // xhat (M, H) or (0)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dx in dy's dtype (M, H) or (0)
                                   .Attr<int64_t>("param_groups")
                                   .Attr<bool>("has_weight")
                                   .Attr<bool>("compute_dx")
@@ -729,4 +771,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JNG_HANDLER(JngLayerNormBwd), jax_normgrad::JNG_IS
                                   .Attr<bool>("centered")
                                   .Attr<bool>("normalized")
                                   .Attr<bool>("write_xhat")
-                                  .Attr<bool>("has_dh"));
+                                  .Attr<bool>("has_dh")
+                                  .Attr<bool>("write_dx_dy"));

@@ -311,7 +311,7 @@ def plot_timings(rows: list[dict], title: str = ""):
 # --residual.
 
 
-def residual_variants(kind, dtype):
+def residual_variants(kind, dtype, residual_dtype=None):
   """Forward + backward of a pre-norm block's residual add and norm, three ways: ``{name: fn}``.
 
   Each ``fn(x, r, w, b, dy, dh)`` returns y, h and the gradients of x, r
@@ -320,19 +320,23 @@ def residual_variants(kind, dtype):
   ``add_rms_norm``; ``unfused`` is this package's ``layer_norm(x +
   residual)`` (the add and the backward's ``dx + dh`` as XLA passes around
   the kernels); ``xla`` is XLA's autodiff of the jnp code (float32 math,
-  as _bench's jnp layers).
+  as _bench's jnp layers). ``residual_dtype`` float32 with a 16-bit
+  ``dtype`` (flash-attn's ``residual_in_fp32``): the residual and h are
+  float32; the unfused forms add in float32 and round the norm's float32
+  output to ``dtype``.
   """
   centered = kind == "ln"
-  fused = (lambda x, r, w, b: jn.add_layer_norm(x, r, w, b)) if centered else (
-      lambda x, r, w, b: jn.add_rms_norm(x, r, w))
+  stream = jnp.dtype(residual_dtype or dtype)
+  fused = (lambda x, r, w, b: jn.add_layer_norm(x, r, w, b, residual_dtype=residual_dtype)) if (
+      centered) else (lambda x, r, w, b: jn.add_rms_norm(x, r, w, residual_dtype=residual_dtype))
 
   def unfused(x, r, w, b):
-    h = x + r
-    return (jn.layer_norm(h, w, b) if centered else jn.rms_norm(h, w)), h
+    h = x.astype(stream) + r
+    return (jn.layer_norm(h, w, b) if centered else jn.rms_norm(h, w)).astype(dtype), h
 
   def xla(x, r, w, b):
-    h = x + r
-    return (jnp_layer_norm(h, w, b) if centered else jnp_rms_norm(h, w)), h
+    h = x.astype(stream) + r
+    return (jnp_layer_norm(h, w, b) if centered else jnp_rms_norm(h, w)).astype(dtype), h
 
   def step(f):
     def run(x, r, w, b, dy, dh):
@@ -343,17 +347,22 @@ def residual_variants(kind, dtype):
   return {name: step(f) for name, f in (("fused", fused), ("unfused", unfused), ("xla", xla))}
 
 
-def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0, batch_ms=0.0):
+def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0, batch_ms=0.0,
+                     residual_dtype=None):
   """One residual row: each variant's median over interleaved rounds, and the ratios to fused.
 
   ``batch_ms``: passed to :func:`call_times_ms` (the GPU benchmark times calls back to back).
+  ``residual_dtype``: the residual stream's dtype (:func:`residual_variants`;
+  the residual, h's cotangent and the parameters are then in it).
   """
   rows_, hidden = shape
+  stream = jnp.dtype(residual_dtype or dtype)
   k = jax.random.split(jax.random.key(0), 6)
-  x, r, dy, dh = (jax.random.normal(ki, shape, jnp.float32).astype(dtype) for ki in k[:4])
-  w = (1 + 0.1 * jax.random.normal(k[4], (hidden,), jnp.float32)).astype(dtype)
-  b = (0.1 * jax.random.normal(k[5], (hidden,), jnp.float32)).astype(dtype)
-  variants = residual_variants(kind, dtype)
+  x, r, dy, dh = (jax.random.normal(ki, shape, jnp.float32).astype(d)
+                  for ki, d in zip(k[:4], (dtype, stream, dtype, stream)))
+  w = (1 + 0.1 * jax.random.normal(k[4], (hidden,), jnp.float32)).astype(stream)
+  b = (0.1 * jax.random.normal(k[5], (hidden,), jnp.float32)).astype(stream)
+  variants = residual_variants(kind, dtype, residual_dtype)
   per_round = max(1, -(-iters // rounds))
   samples = {name: [] for name in variants}
   for rnd in range(rounds):
@@ -362,8 +371,10 @@ def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0, batch_ms
       samples[name] += call_times_ms(fn, x, r, w, b, dy, dh, warmup=3 if rnd == 0 else 1,
                                      iters=per_round, batch_ms=batch_ms)
   row = {"workload": f"add_{'layer' if kind == 'ln' else 'rms'}_norm {rows_}x{hidden} "
-                     f"{jnp.dtype(dtype).name}", "shape": list(shape),
-         "dtype": jnp.dtype(dtype).name, "rounds": rounds}
+                     f"{jnp.dtype(dtype).name}"
+                     + (f", {stream.name} residual stream" if stream != dtype else ""),
+         "shape": list(shape), "dtype": jnp.dtype(dtype).name,
+         "residual_dtype": stream.name, "rounds": rounds}
   for name, times in samples.items():
     row[f"{name}_ms"] = float(np.median(times))
   row["unfused_vs_fused"] = row["unfused_ms"] / row["fused_ms"]

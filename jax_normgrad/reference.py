@@ -88,7 +88,7 @@ def split_ln_bwd_operands(rest, centered, has_weight, normalized):
 
 
 def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups,
-                   normalized=False, write_xhat=False, has_dh=False):
+                   normalized=False, write_xhat=False, has_dh=False, write_dx_dy=False):
   """Returns the outputs of ``output_mask`` among ``[dx, dweight, dbias]``, then ``xhat`` if ``write_xhat``.
 
   ``xhat = (x - mean) * rstd``, ``g = dy * weight``,
@@ -99,6 +99,9 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   dtype or float32; dx and xhat are in x's dtype. ``has_dh``: a last operand
   ``dh`` (x's dtype, the cotangent of the residual form's ``h``, whose ``x``
   operand is h) is added to dx in float32 before its one rounding.
+  ``dy`` may also be 16-bit with a float32 x (the residual form's float32
+  h); ``write_dx_dy`` then adds, right after dx, dx rounded once to dy's
+  dtype.
   """
   rest, dh = split_dh(rest, has_dh)
   mean, rstd, weight = split_ln_bwd_operands(rest, centered, has_weight, normalized)
@@ -125,6 +128,8 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
     if dh is not None:
       dx = dx + dh.astype(F32)
     outs.append(dx.astype(x.dtype))
+    if write_dx_dy:
+      outs.append(dx.astype(dy.dtype))
   if output_mask[1]:
     outs.append(jnp.sum(dy32 * xhat, axis=1))
   if len(output_mask) > 2 and output_mask[2]:

@@ -215,6 +215,33 @@ class TestAddNormDefault(AddNormTests):
     text = jax.jit(lambda x, r: jn.add_rms_norm(x, r)).lower(x, r).as_text()
     assert 'jax_normgrad_layer_norm_fwd' in text and 'stablehlo.add' not in text
 
+  @pytest.mark.usefixtures("cpu_device")
+  @pytest.mark.parametrize("res_dtype", [F32, BF16])
+  def test_float32_stream_backward_converts_nothing(self, rng, res_dtype):
+    """A bfloat16 x with a float32 h: the backward kernel reads the bfloat16 dy and writes the
+    gradient in both dtypes (write_dx_dy), so no tensor-sized convert runs around it."""
+    x, r, w, b = _inputs(rng, (4, 32), (32,), "wb", BF16, res_dtype)
+
+    def bwd(x, r, w, b, dy, dh):
+      _, vjp = jax.vjp(lambda *a: jn.add_layer_norm(*a, residual_dtype=F32), x, r, w, b)
+      return vjp((dy, dh))
+
+    args = (x, r, w, b, random(rng, x.shape, BF16), random(rng, x.shape, F32))
+    text = jax.jit(bwd).lower(*args).as_text()
+    assert text.count("jax_normgrad_layer_norm_bwd") == 1 and "write_dx_dy = true" in text
+    assert not [l for l in text.splitlines() if "stablehlo.convert" in l and "4x32" in l]
+    # Symbolic-zero dh (the last block's h): the same, without a dh operand.
+    text = jax.jit(lambda *a: bwd(*a[:5], jnp.zeros(x.shape, F32))).lower(*args[:5]).as_text()
+    assert "write_dx_dy = true" in text
+    gx, gr, _, _ = jax.jit(bwd)(*args)
+    gx_ref, gr_ref, _, _ = jax.jit(lambda *a: jax.vjp(
+        lambda *p: jn.add_layer_norm(*p, residual_dtype=F32, implementation="xla"),
+        *a[:4])[1]((a[4], a[5])))(*args)
+    for got, want in ((gx, gx_ref), (gr, gr_ref)):
+      assert got.dtype == want.dtype
+      np.testing.assert_allclose(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)),
+                                 rtol=2e-2, atol=1e-2)
+
   @pytest.mark.parametrize("dtype,res_dtype,h_dtype",
                            [(F32, None, None), (BF16, None, None), (BF16, F32, F32)])
   def test_long_rows_deterministic(self, rng, dtype, res_dtype, h_dtype):
@@ -270,15 +297,19 @@ class PallasAddNormTests(AddNormTests):
 
   def test_the_fused_kernels_run(self, rng, monkeypatch):
     """The forward kernel reads the residual and writes h; the backward kernel adds dh (no
-    XLA adds around an unchanged kernel), with chunked segments too (tiny tiles)."""
+    XLA adds around an unchanged kernel), with chunked segments too (tiny tiles). The Triton
+    backward also reads the bfloat16 dy and writes the gradient in both dtypes (dx_dy); the
+    TPU kernels read one dtype (tpu.backward widens dy and rounds the second dx)."""
     module = pallas_gpu if self.backend == "gpu" else pallas_tpu
-    seen = []
+    seen, seen_dx_dy = [], []
     for name, flag in (("_fwd_kernel", "has_residual"), ("_normalize_kernel", "has_residual"),
                        ("_moments_kernel", "has_residual"), ("_bwd_kernel", "has_dh")):
       kernel = getattr(module, name, None)
       if kernel is not None:
         def spy(*refs, _kernel=kernel, _flag=flag, _name=name, **kw):
           seen.append((_name, kw.get(_flag)))
+          if _name == "_bwd_kernel":
+            seen_dx_dy.append(kw.get("dx_dy"))
           return _kernel(*refs, **kw)
         monkeypatch.setattr(module, name, spy)
     x, r, w, b = _inputs(rng, (3, 300), (300,), "wb", BF16, F32)
@@ -290,6 +321,7 @@ class PallasAddNormTests(AddNormTests):
           x, r, w, b))
       gx, gr, gw, gb = self._run(lambda: vjp((dy, dh)))
     assert ("_bwd_kernel", True) in seen and all(flag for _, flag in seen), seen
+    assert seen_dx_dy == ([True] if self.backend == "gpu" else [None]), seen_dx_dy
     assert any(n in ("_fwd_kernel", "_normalize_kernel") for n, _ in seen), seen
     y_ref, _, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, F32, EPS)
     assert_close(y, y_ref, BF16, 300, "y")
@@ -338,6 +370,27 @@ def test_pallas_export_lowers_to_the_fused_kernels(platform, centered, dtype):
   # The loss's own converts (h to float32) aside, no tensor-sized add: h = x + residual and
   # dx + dh are in the kernels.
   assert not [l for l in text.splitlines() if "stablehlo.add" in l and "16x1000" in l]
+
+
+def test_triton_float32_stream_backward_converts_nothing():
+  """Exported for CUDA, a bfloat16 x with a float32 h: the Triton backward reads the bfloat16 dy
+  and writes the gradient in both dtypes, so no tensor-sized convert runs around the kernels
+  (XLA's fusion of the jnp form has none either)."""
+  s = jax.ShapeDtypeStruct
+
+  def bwd(x, r, w, dy, dh):
+    _, vjp = jax.vjp(lambda *a: jn.add_rms_norm(*a, residual_dtype=F32), x, r, w)
+    return vjp((dy, dh))
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jn.FallbackWarning)
+    text = export_for("cuda", jax.jit(bwd),
+                      (s((16, 1000), BF16), s((16, 1000), F32), s((1000,), F32),
+                       s((16, 1000), BF16), s((16, 1000), F32)),
+                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+                      ).mlir_module()
+  assert "jax_normgrad_norm_bwd" in text
+  assert not [l for l in text.splitlines() if "stablehlo.convert" in l and "16x1000" in l]
 
 
 class TestAddNormValidation:

@@ -133,6 +133,8 @@ def test_bench_gpu_residual_smoke_run(tmp_path, capsys):
       assert r["xla_vs_fused"] == pytest.approx(r["xla_ms"] / r["fused_ms"])
   text = capsys.readouterr().out
   assert "add_rms_norm 16x72 bfloat16" in text and "mlp stack step 2x(32x64, ffn 32)" in text
+  assert "add_rms_norm 16x72 bfloat16, float32 residual stream" in text
+  assert [r["residual_dtype"] for r in rows[:3]] == ["float32", "bfloat16", "float32"]
 
 
 def test_gpu_sweep_smoke_run(tmp_path, capsys):

@@ -172,17 +172,20 @@ def _sds(shape, dtype=jnp.float32):
 
 BAD_FFI_CALLS = [
     # rstd of the wrong length.
-    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8)), _sds((0,))],
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8)), _sds((0,)), _sds((0,))],
      (np.ones((4, 8), np.float32), np.ones((4, 8), np.float32), np.ones(4, np.float32),
       np.ones(3, np.float32), None, None),
      dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
-          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False), "rstd"),
-    # dy of another dtype than x.
-    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8)), _sds((0,))],
-     (np.ones((4, 8), np.float16), np.ones((4, 8), np.float32), np.ones(4, np.float32),
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False,
+          write_dx_dy=False), "rstd"),
+    # dy neither x's dtype nor float32 (with a 16-bit x; a float32 x takes any).
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8), jnp.bfloat16), _sds((1, 8)), _sds((1, 8)),
+                                     _sds((0,), jnp.bfloat16), _sds((0,))],
+     (np.ones((4, 8), np.float16), np.ones((4, 8), jnp.bfloat16), np.ones(4, np.float32),
       np.ones(4, np.float32), None, None),
      dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
-          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False), "grad_out"),
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False,
+          write_dx_dy=False), "grad_out"),
     # y neither x's dtype nor float32.
     ("jax_normgrad_layer_norm_fwd", [_sds((4, 8), jnp.float16), _sds((4,)), _sds((4,)),
                                      _sds((0,), jnp.bfloat16), _sds((0,), jnp.bfloat16)],
@@ -199,11 +202,12 @@ BAD_FFI_CALLS = [
      "bias: dtype must match weight's"),
     # a weight neither x's dtype nor float32.
     ("jax_normgrad_layer_norm_bwd", [_sds((4, 8), jnp.bfloat16), _sds((1, 8)), _sds((1, 8)),
-                                     _sds((0,), jnp.bfloat16)],
+                                     _sds((0,), jnp.bfloat16), _sds((0,))],
      (np.ones((4, 8), jnp.bfloat16), np.ones((4, 8), jnp.bfloat16), np.ones(4, np.float32),
       np.ones(4, np.float32), np.ones((1, 8), np.float16), None),
      dict(param_groups=1, has_weight=True, compute_dx=True, compute_dweight=True,
-          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False),
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False,
+          write_dx_dy=False),
      "weight: dtype must be x's or float32"),
     # param_groups that does not divide the rows.
     ("jax_normgrad_layer_norm_fwd", [_sds((4, 8)), _sds((4,)), _sds((4,)), _sds((0,)), _sds((0,))],
@@ -230,12 +234,31 @@ BAD_FFI_CALLS = [
      dict(eps=1e-5, param_groups=1, has_weight=False, has_bias=False, centered=True,
           write_xhat=False, has_residual=True), "h: dtype must be x's or float32"),
     # dh without dx.
-    ("jax_normgrad_layer_norm_bwd", [_sds((0,)), _sds((1, 8)), _sds((1, 8)), _sds((0,))],
+    ("jax_normgrad_layer_norm_bwd", [_sds((0,)), _sds((1, 8)), _sds((1, 8)), _sds((0,)), _sds((0,))],
      (np.ones((4, 8), np.float32), np.ones((4, 8), np.float32), np.ones(4, np.float32),
       np.ones(4, np.float32), None, np.ones((4, 8), np.float32)),
      dict(param_groups=1, has_weight=False, compute_dx=False, compute_dweight=True,
-          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=True),
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=True,
+          write_dx_dy=False),
      "dh"),
+    # dx in dy's dtype without dx.
+    ("jax_normgrad_layer_norm_bwd", [_sds((0,)), _sds((1, 8)), _sds((1, 8)), _sds((0,)),
+                                     _sds((4, 8), jnp.bfloat16)],
+     (np.ones((4, 8), jnp.bfloat16), np.ones((4, 8), np.float32), np.ones(4, np.float32),
+      np.ones(4, np.float32), None, None),
+     dict(param_groups=1, has_weight=False, compute_dx=False, compute_dweight=True,
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False,
+          write_dx_dy=True),
+     "grad_input_dy_dtype: needs grad_input"),
+    # dx in dy's dtype, in another dtype.
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8)), _sds((0,)),
+                                     _sds((4, 8), jnp.float16)],
+     (np.ones((4, 8), jnp.bfloat16), np.ones((4, 8), np.float32), np.ones(4, np.float32),
+      np.ones(4, np.float32), None, None),
+     dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False,
+          write_dx_dy=True),
+     "grad_input_dy_dtype: dtype must match grad_out"),
     # group that does not divide C.
     ("jax_normgrad_group_norm_bwd", [_sds((2, 6, 5)), _sds((1, 6)), _sds((1, 6))],
      (np.ones((2, 6, 5), np.float32), np.ones((2, 6, 5), np.float32), np.ones((2, 4), np.float32),

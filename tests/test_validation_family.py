@@ -199,11 +199,12 @@ def test_kernels_check_sizes(target):
                              has_residual=False)
   else:
     outs = [jax.ShapeDtypeStruct((4, 8), F32), jax.ShapeDtypeStruct((0,), F32),
-            jax.ShapeDtypeStruct((0,), F32), jax.ShapeDtypeStruct((0,), F32)]
+            jax.ShapeDtypeStruct((0,), F32), jax.ShapeDtypeStruct((0,), F32),
+            jax.ShapeDtypeStruct((0,), F32)]
     # normalized with dx computed needs an (M,) rstd; give it an empty one.
     call = lambda: _ffi.call(target, outs, x, x, None, jnp.zeros((0,), F32), None, None,
                              param_groups=1, has_weight=False, compute_dx=True,
                              compute_dweight=False, compute_dbias=False, centered=True,
-                             normalized=True, write_xhat=False, has_dh=False)
+                             normalized=True, write_xhat=False, has_dh=False, write_dx_dy=False)
   with pytest.raises(Exception, match="xhat|rstd"):
     jax.block_until_ready(jax.jit(call)())

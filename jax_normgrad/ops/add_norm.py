@@ -59,27 +59,36 @@ def _add_norm_layer_bwd(cfg, res, cotangents):
   dh = None if isinstance(dh, jax.custom_derivatives.SymbolicZero) else dh
   if isinstance(dy, jax.custom_derivatives.SymbolicZero):
     # y unused: only h's cotangent flows back, and the parameters get none.
-    dg = jnp.zeros(h.shape, F32) if dh is None else dh
+    dg, dg_narrow = (jnp.zeros(h.shape, F32) if dh is None else dh), []
     dw = None if weight is None else jnp.zeros_like(weight)
     db = None if bias is None else jnp.zeros_like(bias)
   else:
-    # The kernel reads dy in h's dtype or float32; a 16-bit dy with a float32 h
-    # (residual_dtype=float32) is widened first.
-    if dy.dtype != h.dtype and dy.dtype != jnp.float32:
-      dy = dy.astype(h.dtype)
+    # A 16-bit dy with a float32 h (residual_dtype=float32) is read as it is,
+    # and the kernel writes the gradient twice: float32 and rounded to dy's
+    # dtype (x's), each used where its dtype is wanted. No XLA pass widens dy
+    # before the kernel or rounds the gradient after it.
+    narrow = dy.dtype != h.dtype
     mask = (True, weight is not None, bias is not None)
-    # Likewise a 16-bit weight (small: cheap to widen).
+    # A 16-bit weight with a float32 h is widened (small: cheap).
     kernel_weight = weight
     if weight is not None and weight.dtype not in (h.dtype, jnp.float32):
       kernel_weight = weight.astype(jnp.float32)
-    dg, dw, db = _bwd(dy, h, mean, rstd, kernel_weight, mask, cfg.norm_ndim, cfg.implementation,
-                      centered=cfg.centered, dh=None if dh is None else dh.astype(h.dtype))
+    dg, dw, db, *dg_narrow = _bwd(dy, h, mean, rstd, kernel_weight, mask, cfg.norm_ndim,
+                                  cfg.implementation, centered=cfg.centered,
+                                  dh=None if dh is None else dh.astype(h.dtype), dx_dy=narrow)
     dw = None if dw is None else dw.astype(weight.dtype)
     db = None if db is None else db.astype(bias.dtype)
   # One gradient for x and residual (d h / d x = d h / d residual = 1), in each one's dtype.
-  dx, dres = dg.astype(cfg.x_dtype), dg.astype(cfg.residual_dtype)
+  dx, dres = (_in_dtype(dg, dg_narrow, cfg.x_dtype), _in_dtype(dg, dg_narrow, cfg.residual_dtype))
   return (_sharding.sum_to_varying(dx, h), _sharding.sum_to_varying(dres, h),
           _sharding.sum_to_varying(dw, weight), _sharding.sum_to_varying(db, bias))
+
+
+def _in_dtype(dg, dg_narrow, dtype):
+  """The gradient in ``dtype``: the kernel's rounded copy where it has that dtype."""
+  if dg_narrow and dg_narrow[0].dtype == dtype:
+    return dg_narrow[0]
+  return dg.astype(dtype)
 
 
 _add_norm_layer.defvjp(_add_norm_layer_fwd, _add_norm_layer_bwd, symbolic_zeros=True)
@@ -114,7 +123,13 @@ _SHARED_DOC = """
   ``residual_dtype=float32`` (flash-attn's ``residual_in_fp32``) makes both
   exact. It writes one gradient, ``dy``'s contribution plus the incoming
   cotangent of ``h``, which is the gradient of both ``x`` and ``residual``
-  (returned in each one's dtype), plus the parameter gradients. The forward
+  (returned in each one's dtype), plus the parameter gradients. With a
+  16-bit x and ``residual_dtype=float32`` the backward kernel reads the
+  16-bit ``dy`` as it is and writes that gradient twice, in float32 (the
+  residual's) and rounded once to x's dtype (x's), as XLA's fusion of the
+  jnp form does: no pass around the kernel widens ``dy`` or rounds the
+  gradient (CPU and Triton kernels; the TPU and Mosaic GPU kernels read one
+  dtype, so there XLA converts around them). The forward
   is one kernel pass (read x and residual, write h and y) and the backward
   one pass of the LayerNorm kernels (dh added in its output pass), on CPU
   (FFI) and in the Pallas Triton, Mosaic GPU and TPU kernels (a row longer

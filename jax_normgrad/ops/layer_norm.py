@@ -79,18 +79,21 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
 
 
 def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, centered=True,
-         scale_offset=0.0, normalized=False, write_xhat=False, dh=None):
+         scale_offset=0.0, normalized=False, write_xhat=False, dh=None, dx_dy=False):
   """Canonical backward on the backward kernel, every LayerNorm / RMSNorm form of it.
 
   ``mean``/``rstd``: any shape with M elements (``mean`` ignored when not
   centered or ``normalized``). ``normalized``: ``x`` is xhat and ``rstd`` only
   scales grad_input (it may be None when ``output_mask[0]`` is False).
-  ``dy`` is in x's dtype or float32 (the cotangent of a float32 y).
+  ``dy`` is in x's dtype or float32 (the cotangent of a float32 y), or any
+  float dtype with a float32 x (the residual form's float32 h).
   Returns the masked ``(dx, dweight, dbias)``, dx with x's shape and dtype,
   the parameter gradients float32 with the normalized shape; then xhat (x's
   shape and dtype) when ``write_xhat``. ``dh`` (x's shape and dtype; needs
   dx): added into dx in float32 (the residual form, whose x is h). As in
   ``_fwd``, x's leading dims are merged into rows on each device.
+  ``dx_dy`` (needs dx; dy may be 16-bit with a float32 x, the residual
+  form's float32 h): dx is also written rounded to dy's dtype, returned last.
   """
   lead = x.ndim - norm_ndim
   norm_shape = x.shape[lead:]
@@ -102,6 +105,8 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   # An unused rstd travels as an empty operand (the kernel checks it is one).
   stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, lead_shape))
   extra = {} if dh is None else dict(has_dh=True)
+  if dx_dy:
+    extra["write_dx_dy"] = True
   outs = _sharding.bind(
       layer_norm_bwd_p, dy.reshape(rows), x.reshape(rows), *stats,
       *present(kernel_params(weight, None, (1, h), scale_offset)[0]),
@@ -111,7 +116,10 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
       normalized=normalized, write_xhat=write_xhat, implementation=implementation, **extra)
   to_x = lambda a: a.reshape(x.shape)
   to_param = lambda a: a.reshape(norm_shape)
-  return unmask(outs, output_mask + (True,) * write_xhat, (to_x, to_param, to_param, to_x))
+  outs = list(outs)
+  narrow = (to_x(outs.pop(1)),) if dx_dy else ()
+  return unmask(outs, output_mask + (True,) * write_xhat,
+                (to_x, to_param, to_param, to_x)) + narrow
 
 
 def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, scale_offset=0.0,

@@ -295,39 +295,53 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
 
 
 def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
-             gpu_backend: GpuBackend = TRITON, op: str = "norm_bwd", beta=None, dh=None):
-  """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools).
+             gpu_backend: GpuBackend = TRITON, op: str = "norm_bwd", beta=None, dh=None,
+             dx_dy: bool = False):
+  """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools), then dx in dy's dtype with ``dx_dy``.
 
   ``beta`` is read only with ``seg.activation`` (the kernels then take it
   after gamma).
 
   ``dx`` like x; ``dgamma``, ``dbeta`` of shape ``(param_groups, channels)``
   float32. Empty inputs give an empty ``dx`` and zero parameter gradients.
-  ``dy`` may be float32 with a 16-bit x (the backward of a float32 y): the
-  kernels take one dtype, so x and dy are widened (exactly) and dx is
-  rounded back to x's dtype. ``dh`` (x's shape; needs ``mask[0]``): added to
-  dx in float32 in the kernels' output pass, before dx's one rounding.
+  ``dy`` may be float32 with a 16-bit x (the backward of a float32 y), or
+  16-bit with a float32 x (the residual form's float32 h). Kernel modules
+  with ``MIXED_DTYPES`` (Triton's) read each in its own dtype, write dx in
+  x's and, with ``dx_dy`` (needs ``mask[0]``), dx once more rounded to dy's
+  dtype. The others take one dtype: x and dy are widened (exactly) in XLA,
+  and dx rounded to x's (and dy's) dtype after them. ``dh`` (x's shape;
+  needs ``mask[0]``): added to dx in float32 in the kernels' output pass,
+  before dx's rounding.
   """
   gpu, tpu = _backends()
+  assert mask[0] or not dx_dy, "dx_dy needs dx"
   if not any(mask):
     return (None, None, None)
   if x.size == 0:
     zeros = jnp.zeros((seg.param_groups, seg.channels), F32)
     return (jnp.zeros_like(x) if mask[0] else None,) + tuple(
-        zeros if m else None for m in mask[1:])
-  x_dtype = x.dtype
-  if dy.dtype != x_dtype:
-    x, dy = x.astype(F32), dy.astype(F32)
+        zeros if m else None for m in mask[1:]) + ((jnp.zeros_like(dy),) if dx_dy else ())
+  x_dtype, dy_dtype = x.dtype, dy.dtype
   if dh is not None:  # the residual form (rows; no activation, so no beta)
     kernels = _residual_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op,
                                 extra_bytes=dh.dtype.itemsize)
-    dx, dgamma, dbeta = dispatch(kernels.backward, tpu.backward,
-                                 (dy, x, mean, rstd, gamma, None, dh), interpret=interpret,
-                                 mosaic_gpu=kernels is not gpu, seg=seg, mask=tuple(mask))
+    operands = (dy, x, mean, rstd, gamma, None, dh)
   else:
     kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
     params = (gamma, beta) if seg.activation is not None else (gamma,)
-    dx, dgamma, dbeta = dispatch(kernels.backward, tpu.backward, (dy, x, mean, rstd) + params,
-                                 interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg,
-                                 mask=tuple(mask))
-  return (None if dx is None else dx.astype(x_dtype)), dgamma, dbeta
+    operands = (dy, x, mean, rstd) + params
+  # Whether the GPU kernels read dy and x in their own dtypes. The TPU
+  # branch of ``dispatch`` takes the same operands and ``dx_dy``: its
+  # ``backward`` widens what its kernels cannot read and rounds the second dx
+  # itself.
+  mixed = getattr(kernels, "MIXED_DTYPES", False)
+  if dy_dtype != x_dtype and not mixed:
+    operands = (dy.astype(F32), x.astype(F32)) + operands[2:]
+  outs = dispatch(kernels.backward, tpu.backward, operands, interpret=interpret,
+                  mosaic_gpu=kernels is not gpu, seg=seg, mask=tuple(mask),
+                  **(dict(dx_dy=dx_dy) if mixed else {}))
+  dx, dgamma, dbeta = outs[:3]
+  rest = ()
+  if dx_dy:
+    rest = (outs[3],) if mixed else (dx.astype(dy_dtype),)
+  return ((None if dx is None else dx.astype(x_dtype)), dgamma, dbeta) + rest

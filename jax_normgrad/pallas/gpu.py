@@ -34,6 +34,9 @@ from jax_normgrad.pallas import common, config
 F32 = jnp.float32
 #: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh`` (``common._residual_kernels``).
 FUSES_RESIDUAL = True
+#: The backward reads dy and x each in its own dtype and can write dx twice
+#: (x's dtype and dy's: ``dx_dy``); see ``common.backward``.
+MIXED_DTYPES = True
 
 
 def _loop(lower, upper, body, init):
@@ -270,7 +273,7 @@ def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool, has_beta: bool):
 
 
 def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma: bool,
-                has_beta: bool, has_dh: bool):
+                has_beta: bool, has_dh: bool, dx_dy: bool):
   """The fused backward: x and dy read once per tile, partials accumulated in registers.
 
   For each channel chunk (one, unless a segment's channels exceed a tile),
@@ -280,14 +283,15 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   residual form, before dx's rounding) and adds ``sum dy * xhat`` and
   ``sum dy`` over the non-channel axis to float32 accumulators, stored once
   per program as its partial row. No atomics: the partials are summed later.
-  With a fused activation dy is first ``dy * act'(z)`` (``common.pre_activation_grad``).
+  dy and x are read in their own dtypes; ``dx_dy`` writes dx a second time,
+  rounded to dy's dtype. With a fused activation dy is first ``dy * act'(z)`` (``common.pre_activation_grad``).
   """
   seg = launch.seg
   precomputed = mask[0] and not launch.plan.fused
   (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref, dh_ref,
-   dx_ref, dw_ref, db_ref) = common.unpack(
+   dx_ref, dx2_ref, dw_ref, db_ref) = common.unpack(
        refs, True, True, seg.centered, True, has_gamma, has_beta, precomputed and seg.centered,
-       precomputed, has_dh, *mask)
+       precomputed, has_dh, mask[0], dx_dy, *mask[1:])
   partial_refs = [r for r in (dw_ref, db_ref) if r is not None]
   w, g, p, start, end = launch.program()
 
@@ -313,6 +317,8 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
           if has_dh:
             dx = dx + _load(dh_ref.at[(i,) + idx], m)
           pltriton.store(dx_ref.at[(i,) + idx], dx.astype(dx_ref.dtype), mask=m)
+          if dx_dy:
+            pltriton.store(dx2_ref.at[(i,) + idx], dx.astype(dx2_ref.dtype), mask=m)
         terms = [t for t, want in ((dy * xhat, mask[1]), (dy, mask[2])) if want]
         return tuple(a + launch.channel_sum(t) for a, t in zip(acc, terms))
 
@@ -367,9 +373,9 @@ def _sum_partials(partials, *, interpret: bool):
 
 
 def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
-             interpret: bool):
-  """``(dx | None, dgamma | None, dbeta | None)``; see ``common.backward``."""
-  plan = config.gpu_plan(seg.shape, x.dtype.itemsize, backward=True)
+             interpret: bool, dx_dy: bool = False):
+  """``(dx | None, dgamma | None, dbeta | None)``, then dx in dy's dtype with ``dx_dy``; see ``common.backward``."""
+  plan = config.gpu_plan(seg.shape, max(x.dtype.itemsize, dy.dtype.itemsize), backward=True)
   launch = _Launch(seg, plan, interpret)
   flags = dict(has_gamma=gamma is not None, has_beta=beta is not None)
   c1 = c2 = None
@@ -381,12 +387,14 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
                      num_warps=plan.stats_warps)
     c1, c2 = cs if seg.centered else (None, cs[0])
   partial = jax.ShapeDtypeStruct((seg.param_groups, launch.programs, seg.channels), F32)
-  out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] if mask[0] else []) + [
-      partial] * sum(mask[1:])
+  out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] if mask[0] else []) + (
+      [jax.ShapeDtypeStruct(x.shape, dy.dtype)] if dx_dy else []) + [partial] * sum(mask[1:])
   outs = list(launch.call(
-      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_dh=dh is not None, **flags),
+      functools.partial(_bwd_kernel, launch=launch, mask=mask, has_dh=dh is not None,
+                        dx_dy=dx_dy, **flags),
       out_shape, dy, x, mean, rstd, gamma, beta, c1, c2, dh, interpret=interpret,
       name="jax_normgrad_norm_bwd"))
   dx = outs.pop(0) if mask[0] else None
+  dx2 = (outs.pop(0),) if dx_dy else ()
   return (dx,) + tuple(_sum_partials(outs.pop(0), interpret=interpret) if m else None
-                       for m in mask[1:])
+                       for m in mask[1:]) + dx2

@@ -59,7 +59,8 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
 
 
 def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-                   write_xhat, interpret, gpu_backend=common.TRITON, has_dh=False):
+                   write_xhat, interpret, gpu_backend=common.TRITON, has_dh=False,
+                   write_dx_dy=False):
   """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
 
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row (no
@@ -72,7 +73,8 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   exactly, and dx is scaled by rstd in an XLA fusion.
   ``has_dh``: a last operand dh (x's shape) is added to dx in float32 before
   dx's one rounding, in the kernels' output pass (in the XLA fusion that
-  scales a ``normalized`` dx).
+  scales a ``normalized`` dx). ``write_dx_dy``: dx a second time, right
+  after dx, rounded to dy's dtype (``common.backward``).
   """
   dh = None
   if has_dh:
@@ -90,15 +92,21 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   seg = _rows(x, centered, param_groups)
   view = (seg.n, 1, seg.b)
   kernel_dh = None if dh is None or normalized else dh.reshape(view)
+  kernel_dx_dy = write_dx_dy and not normalized
   outs = common.backward(seg, kdy.reshape(view), kx.reshape(view),
                          None if mean is None else mean.reshape(seg.n, 1),
                          kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret,
-                         gpu_backend=gpu_backend, op="layer_norm_bwd", dh=kernel_dh)
+                         gpu_backend=gpu_backend, op="layer_norm_bwd", dh=kernel_dh,
+                         dx_dy=kernel_dx_dy)
   dx = None if outs[0] is None else outs[0].reshape(x.shape)
+  dx_dy = [outs[3].reshape(x.shape)] if kernel_dx_dy else []
   if dx is not None and normalized:
-    dx = dx.astype(F32) * rstd[:, None]
-    dx = (dx if dh is None else dx + dh.astype(F32)).astype(x.dtype)
-  result = [o for o, m_ in zip((dx,) + tuple(outs[1:]), mask) if m_]
+    dx32 = dx.astype(F32) * rstd[:, None]
+    dx32 = dx32 if dh is None else dx32 + dh.astype(F32)
+    dx = dx32.astype(x.dtype)
+    dx_dy = [dx32.astype(dy.dtype)] if write_dx_dy else []
+  result = [o for o, m_ in zip((dx,) + tuple(outs[1:3]), mask) if m_]
+  result[1:1] = dx_dy
   if write_xhat:
     result.append(x if normalized else _xhat(x, mean, rstd))
   return result

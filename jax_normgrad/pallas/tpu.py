@@ -522,9 +522,16 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
 
 
 def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
-             interpret: bool):
-  """``(dx | None, dgamma | None, dbeta | None)``; see ``common.backward``."""
-  out_dtype = x.dtype
+             interpret: bool, dx_dy: bool = False):
+  """``(dx | None, dgamma | None, dbeta | None)``, then dx in dy's dtype with ``dx_dy``; see ``common.backward``.
+
+  The kernels read one dtype: a dy unlike x is widened with x to float32
+  here (XLA converts, exact), and ``dx_dy``'s second dx is rounded from the
+  float32 dx in XLA.
+  """
+  out_dtype, dy_dtype = x.dtype, dy.dtype
+  if dy_dtype != out_dtype:
+    x, dy = x.astype(F32), dy.astype(F32)
   x, dy = x.astype(_compute_dtype(x)), dy.astype(_compute_dtype(x))
   lay = _LAYOUTS[seg.kind](seg, x.dtype.itemsize)
   data = [("data", dy.reshape(lay.data_shape)), ("data", x.reshape(lay.data_shape))]
@@ -547,7 +554,8 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
                                      **flags),
                    data + stats + params + [("stats", c) for c in cs] + dh_in, outs,
                    interpret=interpret, name="jax_normgrad_norm_bwd"))
-  dx = res.pop(0).reshape(x.shape).astype(out_dtype) if mask[0] else None
+  dx_kernel = res.pop(0).reshape(x.shape) if mask[0] else None
+  dx = None if dx_kernel is None else dx_kernel.astype(out_dtype)
   return (dx,) + tuple(
       common.sum_partials(res.pop(0).reshape(seg.param_groups, lay.programs, seg.channels))
-      if m else None for m in mask[1:])
+      if m else None for m in mask[1:]) + ((dx_kernel.astype(dy_dtype),) if dx_dy else ())

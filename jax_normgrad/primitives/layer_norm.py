@@ -1,7 +1,7 @@
 """LayerNorm and RMSNorm primitives: forward with statistics and backward.
 
 Canonical operands (see ``jax_normgrad.reference``): ``x``, ``dy`` of shape
-``(M, H)``, dy in x's dtype or float32; ``mean``, ``rstd`` of shape ``(M,)`` float32; ``weight``, ``bias``
+``(M, H)``, dy in x's dtype or float32 (any with a float32 x); ``mean``, ``rstd`` of shape ``(M,)`` float32; ``weight``, ``bias``
 of shape ``(W, H)``, ``W = param_groups``, float32 or x's dtype (the two
 alike; every lowering computes in float32, and the CPU kernels read 16-bit
 parameters without a float32 copy). ``centered=False`` is
@@ -22,6 +22,12 @@ x (x's dtype or float32), normalizes ``h = x + residual`` summed in float32
 and returns h (in ``h_dtype``, None: x's dtype) as a last output; the
 backward's ``has_dh`` adds a last operand ``dh`` (the cotangent of h, in the
 dtype of the backward's x operand, which is then h) that is added into dx.
+With a float32 h under a 16-bit y (``residual_dtype=float32``) the backward
+takes dy in its 16-bit dtype, and ``write_dx_dy`` (with dx) adds a
+result right after dx: dx rounded to dy's dtype, the gradient of the 16-bit
+x. The kernels read and write those directly, as XLA's fusion of the jnp
+form does, instead of an XLA pass widening dy before them and another
+rounding dx after.
 ``write_xhat`` is refused with ``has_residual`` on every backend: the
 residual form's backward works from h, which the forward writes anyway (the
 next block reads it), so an xhat would be a second tensor-sized write that
@@ -112,17 +118,24 @@ layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
 
 
 # ----------------------------------------------------------------------------
-# Backward: (dy, x, [mean], rstd, [weight], [dh]) -> the output_mask'ed of (dx, dweight, dbias), [xhat]
+# Backward: (dy, x, [mean], rstd, [weight], [dh]) -> the output_mask'ed of (dx, [dx in dy's dtype],
+# dweight, dbias), [xhat]
 
 
 def _bwd_abstract(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-                  write_xhat, implementation, has_dh=False):
-  del dy, rest, centered, has_weight, normalized, implementation
+                  write_xhat, implementation, has_dh=False, write_dx_dy=False):
+  del rest, centered, has_weight, normalized, implementation
   if has_dh and not output_mask[0]:
     raise ValueError("has_dh: dh is added into dx, which output_mask leaves out")
+  if write_dx_dy and not output_mask[0]:
+    raise ValueError("write_dx_dy: a second dx, which output_mask leaves out")
+  if dy.dtype != x.dtype and dy.dtype != F32 and x.dtype != F32:
+    raise TypeError(f"dy: expected x's dtype ({x.dtype}) or float32, got {dy.dtype}")
   outs = []
   if output_mask[0]:
     outs.append(shaped(x.shape, x.dtype))
+    if write_dx_dy:
+      outs.append(shaped(x.shape, dy.dtype))
   outs += [shaped((param_groups, x.shape[1]), F32)] * sum(output_mask[1:])
   if write_xhat:
     outs.append(shaped(x.shape, x.dtype))
@@ -130,14 +143,15 @@ def _bwd_abstract(dy, x, *rest, centered, has_weight, output_mask, param_groups,
 
 
 def _bwd_xla(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-             write_xhat, has_dh=False):
+             write_xhat, has_dh=False, write_dx_dy=False):
   return reference.layer_norm_bwd(dy, x, *rest, centered=centered, has_weight=has_weight,
                                   output_mask=output_mask, param_groups=param_groups,
-                                  normalized=normalized, write_xhat=write_xhat, has_dh=has_dh)
+                                  normalized=normalized, write_xhat=write_xhat, has_dh=has_dh,
+                                  write_dx_dy=write_dx_dy)
 
 
 def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-             write_xhat, has_dh=False):
+             write_xhat, has_dh=False, write_dx_dy=False):
   rest, dh = reference.split_dh(rest, has_dh)
   mean, rstd, weight = reference.split_ln_bwd_operands(rest, centered, has_weight, normalized)
   mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
@@ -145,19 +159,25 @@ def _bwd_ffi(dy, x, *rest, centered, has_weight, output_mask, param_groups, norm
   out_types = [jax.ShapeDtypeStruct(x.shape if mask[0] else (0,), x.dtype),
                jax.ShapeDtypeStruct((param_groups, h) if mask[1] else (0,), F32),
                jax.ShapeDtypeStruct((param_groups, h) if mask[2] else (0,), F32),
-               jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype)]
+               jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype),
+               jax.ShapeDtypeStruct(x.shape if write_dx_dy else (0,), dy.dtype)]
   outs = _ffi.call("jax_normgrad_layer_norm_bwd", out_types, dy, x, mean, rstd, weight, dh,
                    param_groups=param_groups, has_weight=has_weight, compute_dx=mask[0],
                    compute_dweight=mask[1], compute_dbias=mask[2], centered=centered,
-                   normalized=normalized, write_xhat=write_xhat, has_dh=has_dh)
-  return [o for o, m in zip(outs, mask + (write_xhat,)) if m]
+                   normalized=normalized, write_xhat=write_xhat, has_dh=has_dh,
+                   write_dx_dy=write_dx_dy)
+  dx, dw, db, xhat, dx_dy = outs
+  ordered = (dx, dx_dy, dw, db, xhat)
+  return [o for o, m in zip(ordered, (mask[0], write_dx_dy) + mask[1:] + (write_xhat,)) if m]
 
 
-def _bwd_roles(n_in, *, has_weight, output_mask, write_xhat, has_dh=False, **params):
+def _bwd_roles(n_in, *, has_weight, output_mask, write_xhat, has_dh=False, write_dx_dy=False,
+               **params):
   del params
   n_stats = n_in - 2 - has_weight - has_dh
   return ([_ROWS, _ROWS] + [_STATS] * n_stats + [_PARAM] * has_weight + [_ROWS] * has_dh,
-          [_ROWS] * output_mask[0] + [_PARAM] * sum(output_mask[1:]) + [_ROWS] * write_xhat)
+          [_ROWS] * (output_mask[0] + write_dx_dy) + [_PARAM] * sum(output_mask[1:])
+          + [_ROWS] * write_xhat)
 
 
 layer_norm_bwd_p = make_primitive("jax_normgrad_layer_norm_bwd", _bwd_abstract,
