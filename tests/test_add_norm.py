@@ -297,9 +297,8 @@ class PallasAddNormTests(AddNormTests):
 
   def test_the_fused_kernels_run(self, rng, monkeypatch):
     """The forward kernel reads the residual and writes h; the backward kernel adds dh (no
-    XLA adds around an unchanged kernel), with chunked segments too (tiny tiles). The Triton
-    backward also reads the bfloat16 dy and writes the gradient in both dtypes (dx_dy); the
-    TPU kernels read one dtype (tpu.backward widens dy and rounds the second dx)."""
+    XLA adds around an unchanged kernel), with chunked segments too (tiny tiles). The
+    backward also reads the bfloat16 dy and writes the gradient in both dtypes (dx_dy)."""
     module = pallas_gpu if self.backend == "gpu" else pallas_tpu
     seen, seen_dx_dy = [], []
     for name, flag in (("_fwd_kernel", "has_residual"), ("_normalize_kernel", "has_residual"),
@@ -321,7 +320,7 @@ class PallasAddNormTests(AddNormTests):
           x, r, w, b))
       gx, gr, gw, gb = self._run(lambda: vjp((dy, dh)))
     assert ("_bwd_kernel", True) in seen and all(flag for _, flag in seen), seen
-    assert seen_dx_dy == ([True] if self.backend == "gpu" else [None]), seen_dx_dy
+    assert seen_dx_dy == [True], seen_dx_dy
     assert any(n in ("_fwd_kernel", "_normalize_kernel") for n, _ in seen), seen
     y_ref, _, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, F32, EPS)
     assert_close(y, y_ref, BF16, 300, "y")
@@ -372,9 +371,10 @@ def test_pallas_export_lowers_to_the_fused_kernels(platform, centered, dtype):
   assert not [l for l in text.splitlines() if "stablehlo.add" in l and "16x1000" in l]
 
 
-def test_triton_float32_stream_backward_converts_nothing():
-  """Exported for CUDA, a bfloat16 x with a float32 h: the Triton backward reads the bfloat16 dy
-  and writes the gradient in both dtypes, so no tensor-sized convert runs around the kernels
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_pallas_float32_stream_backward_converts_nothing(platform):
+  """Exported for GPU / TPU, a bfloat16 x with a float32 h: the Pallas backward reads the bfloat16
+  dy and writes the gradient in both dtypes, so no tensor-sized convert runs around the kernels
   (XLA's fusion of the jnp form has none either)."""
   s = jax.ShapeDtypeStruct
 
@@ -384,12 +384,12 @@ def test_triton_float32_stream_backward_converts_nothing():
 
   with warnings.catch_warnings():
     warnings.simplefilter("error", jn.FallbackWarning)
-    text = export_for("cuda", jax.jit(bwd),
+    text = export_for(platform, jax.jit(bwd),
                       (s((16, 1000), BF16), s((16, 1000), F32), s((1000,), F32),
                        s((16, 1000), BF16), s((16, 1000), F32)),
                       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
                       ).mlir_module()
-  assert "jax_normgrad_norm_bwd" in text
+  assert CUSTOM_CALL[platform] in text and "jax_normgrad_norm_bwd" in text
   assert not [l for l in text.splitlines() if "stablehlo.convert" in l and "16x1000" in l]
 
 

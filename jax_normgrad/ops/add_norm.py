@@ -128,7 +128,7 @@ _SHARED_DOC = """
   16-bit ``dy`` as it is and writes that gradient twice, in float32 (the
   residual's) and rounded once to x's dtype (x's), as XLA's fusion of the
   jnp form does: no pass around the kernel widens ``dy`` or rounds the
-  gradient (CPU and Triton kernels; the TPU and Mosaic GPU kernels read one
+  gradient (CPU, Triton and TPU kernels; the Mosaic GPU kernels read one
   dtype, so there XLA converts around them). The forward
   is one kernel pass (read x and residual, write h and y) and the backward
   one pass of the LayerNorm kernels (dh added in its output pass), on CPU

@@ -297,7 +297,7 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
 def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
              gpu_backend: GpuBackend = TRITON, op: str = "norm_bwd", beta=None, dh=None,
              dx_dy: bool = False):
-  """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools), then dx in dy's dtype with ``dx_dy``.
+  """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools), [dx in dy's dtype].
 
   ``beta`` is read only with ``seg.activation`` (the kernels then take it
   after gamma).
@@ -305,13 +305,14 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
   ``dx`` like x; ``dgamma``, ``dbeta`` of shape ``(param_groups, channels)``
   float32. Empty inputs give an empty ``dx`` and zero parameter gradients.
   ``dy`` may be float32 with a 16-bit x (the backward of a float32 y), or
-  16-bit with a float32 x (the residual form's float32 h). Kernel modules
-  with ``MIXED_DTYPES`` (Triton's) read each in its own dtype, write dx in
-  x's and, with ``dx_dy`` (needs ``mask[0]``), dx once more rounded to dy's
-  dtype. The others take one dtype: x and dy are widened (exactly) in XLA,
-  and dx rounded to x's (and dy's) dtype after them. ``dh`` (x's shape;
-  needs ``mask[0]``): added to dx in float32 in the kernels' output pass,
-  before dx's rounding.
+  16-bit with a float32 x (the residual form's float32 h). GPU kernel
+  modules with ``MIXED_DTYPES`` (Triton's) and the TPU kernels read each in
+  its own dtype, write dx in x's and, with ``dx_dy`` (needs ``mask[0]``), dx
+  once more rounded to dy's dtype. The Mosaic GPU kernels take one dtype:
+  with them x and dy are widened (exactly) in XLA, and dx rounded to x's
+  (and dy's) dtype after them (the TPU branch then gets the same). ``dh``
+  (x's shape; needs ``mask[0]``): added to dx in float32 in the kernels'
+  output pass, before dx's rounding.
   """
   gpu, tpu = _backends()
   assert mask[0] or not dx_dy, "dx_dy needs dx"
@@ -330,10 +331,9 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
     kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=True, op=op)
     params = (gamma, beta) if seg.activation is not None else (gamma,)
     operands = (dy, x, mean, rstd) + params
-  # Whether the GPU kernels read dy and x in their own dtypes. The TPU
-  # branch of ``dispatch`` takes the same operands and ``dx_dy``: its
-  # ``backward`` widens what its kernels cannot read and rounds the second dx
-  # itself.
+  # Whether the GPU kernels read dy and x in their own dtypes; the TPU
+  # branch of ``dispatch`` takes the same operands and ``dx_dy`` (its kernels
+  # read mixed dtypes too).
   mixed = getattr(kernels, "MIXED_DTYPES", False)
   if dy_dtype != x_dtype and not mixed:
     operands = (dy.astype(F32), x.astype(F32)) + operands[2:]

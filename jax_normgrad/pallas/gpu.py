@@ -284,7 +284,8 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   ``sum dy`` over the non-channel axis to float32 accumulators, stored once
   per program as its partial row. No atomics: the partials are summed later.
   dy and x are read in their own dtypes; ``dx_dy`` writes dx a second time,
-  rounded to dy's dtype. With a fused activation dy is first ``dy * act'(z)`` (``common.pre_activation_grad``).
+  rounded to dy's dtype. With a fused activation dy is first ``dy * act'(z)``
+  (``common.pre_activation_grad``).
   """
   seg = launch.seg
   precomputed = mask[0] and not launch.plan.fused
@@ -374,7 +375,7 @@ def _sum_partials(partials, *, interpret: bool):
 
 def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
              interpret: bool, dx_dy: bool = False):
-  """``(dx | None, dgamma | None, dbeta | None)``, then dx in dy's dtype with ``dx_dy``; see ``common.backward``."""
+  """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``common.backward``."""
   plan = config.gpu_plan(seg.shape, max(x.dtype.itemsize, dy.dtype.itemsize), backward=True)
   launch = _Launch(seg, plan, interpret)
   flags = dict(has_gamma=gamma is not None, has_beta=beta is not None)

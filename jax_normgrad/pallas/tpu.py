@@ -474,20 +474,21 @@ def _bwd_stats_kernel(*refs, lay: _Layout, has_gamma: bool, has_beta: bool):
 
 
 def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
-                has_dh: bool = False):
+                has_dh: bool = False, dx_dy: bool = False):
   """dx from one read of x and dy; partials accumulated in the resident output block.
 
   ``c1``/``c2`` come from the block itself when segments fit in one,
   else from the stats kernel. h's cotangent ``dh`` (the residual form) is
-  added to dx before its rounding. Partial sums skip ragged padding and the
+  added to dx before its rounding; ``dx_dy`` writes dx a second time,
+  rounded to dy's dtype. Partial sums skip ragged padding and the
   repeated blocks of steps past a program's end.
   """
   seg = lay.seg
   precomputed = mask[0] and not lay.fused
   (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref, dh_ref,
-   dx_ref, dw_ref, db_ref) = common.unpack(
+   dx_ref, dx2_ref, dw_ref, db_ref) = common.unpack(
        refs, True, True, seg.centered, True, has_gamma, has_beta, precomputed and seg.centered,
-       precomputed, has_dh, *mask)
+       precomputed, has_dh, mask[0], dx_dy, *mask[1:])
   ids = _ids(lay.main_order)
   xhat, g, dy, rstd = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref, beta_ref,
                              seg.activation)
@@ -501,6 +502,8 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
     if has_dh:
       dx = dx + dh_ref[...].astype(F32)
     dx_ref[...] = dx.astype(dx_ref.dtype)
+    if dx_dy:
+      dx2_ref[...] = dx.astype(dx2_ref.dtype)
   partials = [(ref, t) for ref, t in ((dw_ref, dy * xhat), (db_ref, dy)) if ref is not None]
   if not partials:
     return
@@ -523,17 +526,14 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
 
 def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
              interpret: bool, dx_dy: bool = False):
-  """``(dx | None, dgamma | None, dbeta | None)``, then dx in dy's dtype with ``dx_dy``; see ``common.backward``.
+  """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``common.backward``.
 
-  The kernels read one dtype: a dy unlike x is widened with x to float32
-  here (XLA converts, exact), and ``dx_dy``'s second dx is rounded from the
-  float32 dx in XLA.
+  dy and x are read each in its own dtype (float16 widened first, as
+  everywhere on TPU), in blocks tiled for the narrower one.
   """
   out_dtype, dy_dtype = x.dtype, dy.dtype
-  if dy_dtype != out_dtype:
-    x, dy = x.astype(F32), dy.astype(F32)
-  x, dy = x.astype(_compute_dtype(x)), dy.astype(_compute_dtype(x))
-  lay = _LAYOUTS[seg.kind](seg, x.dtype.itemsize)
+  x, dy = x.astype(_compute_dtype(x)), dy.astype(_compute_dtype(dy))
+  lay = _LAYOUTS[seg.kind](seg, min(x.dtype.itemsize, dy.dtype.itemsize))
   data = [("data", dy.reshape(lay.data_shape)), ("data", x.reshape(lay.data_shape))]
   stats = [("stats", None if mean is None else lay.view_stats(mean)),
            ("stats", lay.view_stats(rstd))]
@@ -546,16 +546,17 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
                data + stats + params, [("stats", st)] * (1 + seg.centered), interpret=interpret,
                name="jax_normgrad_norm_bwd_stats")
   partial = ("partial", jax.ShapeDtypeStruct(lay.partial_shape, F32))
-  outs = ([("data", jax.ShapeDtypeStruct(lay.data_shape, x.dtype))] if mask[0] else []) + [
+  outs = ([("data", jax.ShapeDtypeStruct(lay.data_shape, x.dtype))] if mask[0] else []) + (
+      [("data", jax.ShapeDtypeStruct(lay.data_shape, _compute_dtype(dy)))] if dx_dy else []) + [
       partial] * sum(mask[1:])
   dh_in = [] if dh is None else [("data", dh.astype(_compute_dtype(dh)).reshape(lay.data_shape))]
   res = list(_call(lay, lay.main_order,
                    functools.partial(_bwd_kernel, lay=lay, mask=mask, has_dh=dh is not None,
-                                     **flags),
+                                     dx_dy=dx_dy, **flags),
                    data + stats + params + [("stats", c) for c in cs] + dh_in, outs,
                    interpret=interpret, name="jax_normgrad_norm_bwd"))
-  dx_kernel = res.pop(0).reshape(x.shape) if mask[0] else None
-  dx = None if dx_kernel is None else dx_kernel.astype(out_dtype)
+  dx = res.pop(0).reshape(x.shape).astype(out_dtype) if mask[0] else None
+  dx2 = (res.pop(0).reshape(x.shape).astype(dy_dtype),) if dx_dy else ()
   return (dx,) + tuple(
       common.sum_partials(res.pop(0).reshape(seg.param_groups, lay.programs, seg.channels))
-      if m else None for m in mask[1:]) + ((dx_kernel.astype(dy_dtype),) if dx_dy else ())
+      if m else None for m in mask[1:]) + dx2
