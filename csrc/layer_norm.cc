@@ -224,7 +224,7 @@ struct LayerNormBwd {
   const Tp* w;  // this group's weight row, float32 or x's dtype
   const T* dh;  // added into dx (the residual form; null: none)
   T* dx;
-  Tdy* dx_dy;  // dx in dy's dtype too (with dh; null: none)
+  Tdy* dx_dy;  // dx in dy's dtype too (with dx; null: none)
   T* xhat_out;
   int64_t H;
   bool centered, normalized;

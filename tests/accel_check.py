@@ -137,6 +137,12 @@ def _op_cases():
       Case("grad(layer_norm) bfloat16 x, float32 params, out_dtype=float32",
            _grad(lambda x, w, b: jn.layer_norm(x, w, b, out_dtype=F32)),
            (_s((m, h), BF16), p, p), 2),
+      # The backward reads the bfloat16 x and the float32 dy each in its own dtype.
+      *[Case(f"grad(group_norm) {layout} bfloat16 x, float32 params, out_dtype=float32",
+             _grad(lambda x, w, b, axis=axis: jn.group_norm(x, 8, w, b, channel_axis=axis,
+                                                           out_dtype=F32)),
+             (_s(shape, BF16), _s((64,)), _s((64,))), 2)
+        for layout, axis, shape in (("NCHW", 1, (4, 64, 16, 16)), ("NHWC", -1, (4, 16, 16, 64)))],
       Case("grad(layer_norm save='normalized')",
            _grad(lambda x, w, b: jn.layer_norm(x, w, b, save="normalized")), (x, p, p), 2),
       Case("layer_norm_grad (AscendC)",
