@@ -17,7 +17,7 @@
 #   bench          benchmarks/bench_gpu.py, every row (Triton)
 #   residual       benchmarks/bench_gpu.py --residual
 #   mosaic-bench   bench_gpu.py --only ln with --gpu-backend mosaic_gpu, then with Triton
-#   sweep          benchmarks/gpu_sweep.py (tile heuristics)
+#   sweep          benchmarks/gpu_sweep.py (tile heuristics; SWEEP_CONFIGS: its --configs)
 #   tests          the op suites on the GPU (pytest-xdist), installed package, cut at the deadline
 #   mosaic-tests   the op suites' Default classes with JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu
 # Each stage's time limit is its own cap or what is left of the budget, whichever is less.
@@ -94,8 +94,8 @@ for stage in $stages; do
         --iters 30 --out "$OUT/bench_triton_ln.json" >>"$OUT/bench.log" 2>&1
       echo "bench triton (ln rows) rc=$? at $((SECONDS - start)) s" >>"$OUT/bench.log" ;;
     sweep)
-      PYTHONPATH=$(srcpath) timeout "$(cap 120)" python3 benchmarks/gpu_sweep.py --out "$OUT/sweep.json" \
-        --configs default,partials_rows1,fwd_warps64,fwd_one_row,bwd_warps64 \
+      PYTHONPATH=$(srcpath) timeout "$(cap 240)" python3 benchmarks/gpu_sweep.py --out "$OUT/sweep.json" \
+        --configs "${SWEEP_CONFIGS:-default,partials_old,partials_stages3,pipeline_all,fwd_bpt32,bwd_bpt32,bwd_warps64}" \
         >"$OUT/sweep.log" 2>&1
       echo "sweep rc=$? at $((SECONDS - start)) s" >>"$OUT/sweep.log" ;;
     tests)

@@ -39,13 +39,26 @@ import bench_gpu  # noqa: E402
 
 ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
         ("rms", (32768, 1024), jnp.bfloat16), ("ln", (16384, 4096), jnp.bfloat16),
-        ("ln", (4096, 16384), jnp.float32), ("gn_nhwc", (8, 256, 64, 64, 32), jnp.float32)]
+        ("rms", (16384, 4096), jnp.float32), ("ln", (4096, 16384), jnp.float32),
+        ("gn_nhwc", (8, 256, 64, 64, 32), jnp.float32)]
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32)]
 #: name -> config.Tuning changes. "default" is the package's own.
 CONFIGS = {
     "default": {},
-    "partials_rows1": {"gpu_partials_rows": 1},
-    "partials_rows64": {"gpu_partials_rows": 64},
+    # The partials reduction before 2026-11-26: 128 columns x 16 rows a step, 4 warps.
+    "partials_old": {"gpu_partials_cols": 128, "gpu_partials_tile": 2048,
+                     "gpu_partials_warps": 4},
+    # Every GPU tuning of 2026-11-25 (before the 2026-11-26 sweep).
+    "before_11_26": {"gpu_partials_cols": 128, "gpu_partials_tile": 2048,
+                     "gpu_partials_warps": 4, "gpu_fwd_bytes_per_thread": 16,
+                     "gpu_max_warps_bwd": 32},
+    # num_stages > 1 where it is 1 now: on sm_90 Triton compiled both with no shared-memory
+    # stages (the loops' loads were not pipelined), so neither was timed.
+    "partials_stages3": {"gpu_partials_stages": 3},
+    "pipeline_all": {"gpu_small_tile": 1 << 16},
+    "fwd_bpt32": {"gpu_fwd_bytes_per_thread": 32},
+    "fwd_bpt64": {"gpu_fwd_bytes_per_thread": 64},
+    "bwd_bpt32": {"gpu_bwd_bytes_per_thread": 32},
     "fwd_warps64": {"gpu_warps_per_sm_fwd": 64},
     "fwd_one_row": {"gpu_warps_per_sm_fwd": 1 << 14},  # a program per row, or nearly
     "bwd_warps64": {"gpu_warps_per_sm": 64},

@@ -144,15 +144,15 @@ def test_gpu_sweep_smoke_run(tmp_path, capsys):
   sweep = _load_script("gpu_sweep.py")
   out = tmp_path / "sweep.json"
   assert sweep.main(["--smoke", "--iters", "2", "--rounds", "1", "--configs",
-                     "default,partials_rows1", "--out", str(out)]) == 0
+                     "default,partials_old", "--out", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
   assert [r["kind"] for r in rows] == [k for k, _, _ in sweep.SMOKE_ROWS]
   for r in rows:
-    assert set(r["configs"]) == {"default", "partials_rows1"}
+    assert set(r["configs"]) == {"default", "partials_old"}
     for c in r["configs"].values():
       assert c["fwd_ms"] > 0 and c["bwd_ms"] > 0
       assert c["fwd_max_rel_err_vs_default"] == c["bwd_max_rel_err_vs_default"] == 0
-  assert "partials_rows1 fwd / bwd ms" in capsys.readouterr().out
+  assert "partials_old fwd / bwd ms" in capsys.readouterr().out
 
 
 def test_call_times_ms_batches_calls():

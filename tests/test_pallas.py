@@ -257,18 +257,36 @@ def test_deterministic_across_programs(rng, backend):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
-@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("cols,tile", [(256, 256), (128, 512), (32, 4096), (8, 64)])
 @pytest.mark.parametrize("w,p,c", [(1, 1, 1), (2, 3, 40), (1, 37, 300), (3, 16, 129)])
-def test_sum_partials_tiles(rng, rows, w, p, c):
-  """The backward's partials reduction: the float32 sum over axis 1, whatever the tile's rows
+def test_sum_partials_tiles(rng, cols, tile, w, p, c):
+  """The backward's partials reduction: the float32 sum over axis 1, whatever the tile
   (one row per step; tiles that overhang the last partial or the last column)."""
   from jax_normgrad.pallas import gpu  # pylint: disable=g-import-not-at-top
   parts = random(rng, (w, p, c), F32)
-  with config.override(gpu_partials_rows=rows):
+  with config.override(gpu_partials_cols=cols, gpu_partials_tile=tile):
     got = gpu._sum_partials(parts, interpret=True)  # pylint: disable=protected-access
   assert got.shape == (w, c) and got.dtype == F32
   np.testing.assert_allclose(np.asarray(got), np.asarray(parts, np.float64).sum(axis=1),
                              rtol=1e-5, atol=1e-5 * p)
+
+
+@pytest.mark.parametrize("segment,itemsize,kind,warps", [
+    # forward: 32 bytes of each input per thread (2026-11-26 sweep, BENCHMARKS.md)
+    ((1, 1024), 2, "fwd", 2), ((1, 1024), 4, "fwd", 4), ((1, 4096), 4, "fwd", 16),
+    ((1, 16384), 4, "fwd", 32),
+    # the residual form's forward: 16 bytes (its bfloat16 LayerNorm tile took 72 registers at 32)
+    ((1, 1024), 2, "residual", 4), ((1, 4096), 4, "residual", 32),
+    # backward: 16 bytes, at most 16 warps while 8 elements per thread suffice
+    ((1, 1024), 2, "bwd", 4), ((1, 4096), 2, "bwd", 16), ((1, 4096), 4, "bwd", 16),
+    ((1, 8192), 4, "bwd", 32), ((1, 16384), 2, "bwd", 32), ((64, 64), 4, "bwd", 16),
+])
+def test_gpu_plan_warps(segment, itemsize, kind, warps):
+  """The Triton tile heuristics' warp counts: what the GPU sweep measured, pinned."""
+  plan = config.gpu_plan(segment, itemsize, backward=kind == "bwd", residual=kind == "residual")
+  assert plan.num_warps == warps, plan
+  per_thread = plan.tile[0] * plan.tile[1] // (32 * plan.num_warps)
+  assert per_thread <= (16 if kind == "fwd" else 8), plan  # the register budgets cited in config
 
 
 def test_vmap_with_batched_weight_matches_xla(rng):

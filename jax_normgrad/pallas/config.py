@@ -3,9 +3,10 @@
 Everything here is decided at trace time from static shapes and the dtype.
 The numbers are starting points derived from hardware limits (registers per
 SM, VMEM per TensorCore, the (8, 128) TPU tiling), not measured optima: no
-GPU or TPU was available when they were chosen. The one GPU measurement so
-far (an H100, ``benchmarks/gpu_sweep.py``, BENCHMARKS.md) set
-``gpu_partials_rows``. Tune them here, nowhere else.
+GPU or TPU was available when they were chosen. The GPU sweeps so far
+(``benchmarks/gpu_sweep.py``, BENCHMARKS.md "GPU": an H100 on 2026-11-25, an
+H200 on 2026-11-26) set the partials reduction's tiles, the forward's bytes
+per thread and the backward's warp cap. Tune them here, nowhere else.
 
 GPU (Triton). A normalization segment (a LayerNorm row, a GroupNorm
 ``(sample, group)`` block) is processed as 2-D power-of-two tiles held in
@@ -57,10 +58,39 @@ class Tuning:
   #: 3-18% faster at rows of 1024 and 3-9% slower at 16384x4096 bfloat16 and
   #: channels-last GroupNorm; left at 32 until a rule by tile size is measured.
   gpu_warps_per_sm_fwd: int = 32
-  #: Rows of partial sums one step of the backward's partials reduction loads, as a
-  #: ``(rows, 128)`` tile reduced over its rows once at the end; 1 loads one row of
-  #: 256 per step (before 2026-11-25: ~1000 dependent steps at 1024 columns).
-  gpu_partials_rows: int = 16
+  #: The backward's partials reduction, ``(W, P, C)`` -> ``(W, C)``: one program per
+  #: ``gpu_partials_cols`` columns, each adding a ``(rows, cols)`` tile of
+  #: ``gpu_partials_tile`` elements per step over the P partial rows, with
+  #: ``gpu_partials_warps`` warps. Before 2026-11-26 it was 128 columns and 16 rows
+  #: (2048) at 4 warps: at C = 1024 that is 8 programs walking P = 1056 rows, 66
+  #: dependent steps of 8 KiB: 30 us on an H200 next to a 79 us backward kernel.
+  #: 32 columns (one 128-byte line per tile row) give 4x the programs, and 4096
+  #: elements per step at 8 warps 4x the bytes in flight per program.
+  gpu_partials_cols: int = 32
+  gpu_partials_tile: int = 4096
+  gpu_partials_warps: int = 8
+  #: Triton's num_stages for that loop: at 3 the sm_90 cubin had no shared-memory
+  #: buffers (Triton did not pipeline the loads), so 1.
+  gpu_partials_stages: int = 1
+  #: Bytes of each input one thread holds per tile: 16 is one 128-bit load (4
+  #: float32 or 8 16-bit elements); more gives fewer warps per program and more
+  #: programs per SM (``gpu_warps_per_sm*``). Forward 32 since 2026-11-26: on an
+  #: H200 (benchmarks/gpu_sweep.py) 1.0-1.38x faster at rows of 1024 to 16384
+  #: than 16, none slower; 64 was no better. The backward's 32 lost 13-16% at rows
+  #: of 1024 (twice the programs: twice the partial rows) and gained 1.5x only
+  #: where 16 gave a 32-warp program: ``gpu_max_warps_bwd``.
+  gpu_fwd_bytes_per_thread: int = 32
+  gpu_bwd_bytes_per_thread: int = 16
+  #: The residual form's forward (x, the residual and h live per element): at 32,
+  #: add_layer_norm's bfloat16 tile of 1024 took 72 registers, too many for the
+  #: 16 programs per SM planned (docs/gpu-resources.md); it stays at 16.
+  gpu_fwd_residual_bytes_per_thread: int = 16
+  #: Most warps of a backward program whose tile fits 8 elements per thread at that
+  #: count; a larger tile takes the warps 8 per thread need (to ``gpu_max_warps``).
+  #: Of the tiles planned, this moves the float32 4096-element tile from one
+  #: 32-warp program per SM to two of 16: 1.49x faster on an H200 (RMSNorm
+  #: 16384x4096 float32 backward, 0.351 -> 0.235 ms).
+  gpu_max_warps_bwd: int = 16
   #: Most warps of one GPU program: 32 (1024 threads, Triton's and CUDA's
   #: limit). Capped at 16 (until 2026-11-25), the largest tiles (8192
   #: backward, 16384 forward) held 16-32 elements per thread and compiled to
@@ -156,12 +186,15 @@ class GpuPlan:
     return self.chunks == (1, 1)
 
 
-def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool) -> GpuPlan:
+def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool,
+             residual: bool = False) -> GpuPlan:
   """Tiles a segment: the whole of it if it fits, else halving the longer tile side.
 
-  ``num_warps`` gives each thread about 16 bytes of every input per tile
-  (one 128-bit load: 4 float32 or 8 16-bit elements), 1 to ``gpu_max_warps``
-  warps; the largest tiles reach the cap and hold 8-16 elements per thread.
+  ``num_warps`` gives each thread ``gpu_fwd_bytes_per_thread`` (forward;
+  ``gpu_fwd_residual_bytes_per_thread`` with a ``residual``) or
+  ``gpu_bwd_bytes_per_thread`` bytes of every input per tile, 1 to
+  ``gpu_max_warps`` warps; a backward program has at most ``gpu_max_warps_bwd``
+  unless its tile needs more for 8 elements per thread.
   """
   t = current()
   limit = t.gpu_max_tile_bwd if backward else t.gpu_max_tile_fwd
@@ -172,8 +205,12 @@ def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool) -> GpuP
     else:
       tb //= 2
   elems = ta * tb
-  per_thread = max(16 // itemsize, 1)
+  per_thread = max((t.gpu_bwd_bytes_per_thread if backward else
+                    t.gpu_fwd_residual_bytes_per_thread if residual else
+                    t.gpu_fwd_bytes_per_thread) // itemsize, 1)
   num_warps = min(max(elems // (32 * per_thread), 1), t.gpu_max_warps)
+  if backward:
+    num_warps = min(max(min(num_warps, t.gpu_max_warps_bwd), elems // (32 * 8)), t.gpu_max_warps)
   return GpuPlan(tile=(ta, tb), chunks=(cdiv(segment[0], ta), cdiv(segment[1], tb)),
                  num_warps=num_warps, num_stages=2 if elems <= t.gpu_small_tile else 1,
                  stats_warps=min(num_warps, t.gpu_max_warps_stats), backward=backward)

@@ -214,7 +214,8 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_d
   ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``common.forward``."""
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
-  launch = _Launch(seg, config.gpu_plan(seg.shape, x.dtype.itemsize, backward=False), interpret)
+  launch = _Launch(seg, config.gpu_plan(seg.shape, x.dtype.itemsize, backward=False,
+                                        residual=has_residual), interpret)
   stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
   kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps, has_weight=weight is not None,
                              has_bias=bias is not None, has_residual=has_residual)
@@ -361,15 +362,17 @@ def _sum_partials_kernel(part_ref, out_ref, *, blocks: int, width: int, rows: in
 def _sum_partials(partials, *, interpret: bool):
   """``(W, P, C)`` -> ``(W, C)``: the second, small, fixed-order reduction."""
   w, p, c = partials.shape
-  rows = min(pl.next_power_of_2(p), config.current().gpu_partials_rows)
-  # A few programs per row of partials; a (16, 128) float32 tile is 16 values per thread.
-  width = min(pl.next_power_of_2(c), 256 if rows == 1 else 128)
+  t = config.current()
+  width = min(pl.next_power_of_2(c), t.gpu_partials_cols)
+  rows = min(pl.next_power_of_2(p), max(t.gpu_partials_tile // width, 1))
   blocks = config.cdiv(c, width)
   return pl.pallas_call(
       functools.partial(_sum_partials_kernel, blocks=blocks, width=width, rows=rows),
       out_shape=common.typed_like([jax.ShapeDtypeStruct((w, c), F32)], [partials])[0],
       grid=(w * blocks,), interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=pltriton.CompilerParams(
+          num_warps=max(min(t.gpu_partials_warps, rows * width // 32), 1),
+          num_stages=t.gpu_partials_stages),
       name="jax_normgrad_sum_partials")(partials)
 
 
