@@ -457,13 +457,21 @@ ffi::Error DispatchParams(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
 }
 
 // fn(T{}, Ty{}, Tp{}): the forward's storage types of x, y and the parameters.
+// y is x's dtype or float32, or any of the three with a float32 x (a float32
+// residual stream's norm feeding 16-bit matmuls: y rounded once here, no
+// float32 y written for XLA to round).
 template <typename Fn>
 ffi::Error DispatchFwdTypes(const ffi::AnyBuffer& x, ffi::DataType y_dtype,
                             const ffi::AnyBuffer& weight, bool has_weight,
                             const ffi::AnyBuffer& bias, bool has_bias, bool widen, Fn&& fn) {
-  return DispatchXAndOutput(x, y_dtype, "y", [&](auto tag, auto ytag) {
-    return DispatchParams<decltype(tag)>(x, weight, has_weight, bias, has_bias, widen,
-                                         [&](auto ptag) { return fn(tag, ytag, ptag); });
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    auto with_y = [&](auto ytag) {
+      return DispatchParams<T>(x, weight, has_weight, bias, has_bias, widen,
+                               [&](auto ptag) { return fn(tag, ytag, ptag); });
+    };
+    if constexpr (sizeof(T) == 4) return DispatchFloat(y_dtype, "y", with_y);
+    return DispatchSameOrF32<T>(y_dtype, x.element_type(), "y", with_y);
   });
 }
 

@@ -322,8 +322,8 @@ def residual_variants(kind, dtype, residual_dtype=None):
   the kernels); ``xla`` is XLA's autodiff of the jnp code (float32 math,
   as _bench's jnp layers). ``residual_dtype`` float32 with a 16-bit
   ``dtype`` (flash-attn's ``residual_in_fp32``): the residual and h are
-  float32; the unfused forms add in float32 and round the norm's float32
-  output to ``dtype``.
+  float32; the unfused forms add in float32 and the norm's y is rounded
+  to ``dtype`` (by the kernel: ``out_dtype``; by XLA in the jnp form).
   """
   centered = kind == "ln"
   stream = jnp.dtype(residual_dtype or dtype)
@@ -332,7 +332,9 @@ def residual_variants(kind, dtype, residual_dtype=None):
 
   def unfused(x, r, w, b):
     h = x.astype(stream) + r
-    return (jn.layer_norm(h, w, b) if centered else jn.rms_norm(h, w)).astype(dtype), h
+    # out_dtype: the kernel rounds y to x's dtype itself (a float32 stream's norm).
+    return (jn.layer_norm(h, w, b, out_dtype=dtype) if centered
+            else jn.rms_norm(h, w, out_dtype=dtype)), h
 
   def xla(x, r, w, b):
     h = x.astype(stream) + r
@@ -397,8 +399,8 @@ def mlp_stack_step(variant, layers, hidden, ffn, dtype, tokens=4096, residual_dt
   way); "xla", ``h = h + out`` then the jnp RMSNorm (XLA's autodiff).
   ``residual_dtype``: the residual stream's dtype (None: ``dtype``;
   float32 with a 16-bit ``dtype`` is flash-attn's ``residual_in_fp32``:
-  the unfused forms add in float32 and round the norm's float32 output to
-  ``dtype`` for the next dense).
+  the unfused forms add in float32 and the norm writes y in ``dtype`` for
+  the next dense, ``out_dtype``).
   Returns ``(step, params, batch)``; ``step(params, batch)`` is the jitted
   ``value_and_grad`` of the mean-square loss of the last norm's output
   plus the SGD update of the parameters.
@@ -414,8 +416,9 @@ def mlp_stack_step(variant, layers, hidden, ffn, dtype, tokens=4096, residual_dt
                    for i in range(layers)]}
 
   def norm(h, w):
-    y = jnp_rms_norm(h, w) if variant == "xla" else jn.rms_norm(h, w)
-    return y.astype(dtype)
+    if variant == "xla":
+      return jnp_rms_norm(h, w).astype(dtype)
+    return jn.rms_norm(h, w, out_dtype=dtype)  # y rounded to the matmuls' dtype by the kernel
 
   def loss(params, x):
     h = x.astype(stream)

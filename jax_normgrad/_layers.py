@@ -112,15 +112,18 @@ def warn_fallback(layer: str, reason: str, original: str) -> None:
       "pure-JAX computation instead (the original's numbers, XLA's autodiff).")
 
 
-def _kernel_io(x, out_dtype):
+def _kernel_io(x, out_dtype, narrowing=False):
   """``(x, out_dtype)`` for the layers' kernels so that y is rounded once, to ``out_dtype``.
 
   The kernels compute in float32 and write y in x's dtype or in float32 (a
   16-bit x with float32 parameters: flax's default promotion), reading x as
-  it is. For any other result dtype x is widened to float32 (exactly) and
-  the float32 y is cast.
+  it is; with ``narrowing`` (LayerNorm, RMSNorm) also a 16-bit y of a
+  float32 x (``dtype=jnp.bfloat16`` on a float32 input). For any other
+  result dtype x is widened to float32 (exactly) and the float32 y is cast.
   """
-  if out_dtype in (x.dtype, F32):
+  if out_dtype in (x.dtype, F32) or (
+      narrowing and x.dtype == F32 and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16),
+                                                                jnp.dtype(jnp.float16))):
     return x, out_dtype
   return x.astype(F32), None
 
@@ -155,7 +158,7 @@ def norm(x, weight, bias, *, begin: int, eps: float, centered: bool, out_dtype, 
   """
   norm_shape = x.shape[begin:]
   w, b = _param(weight, norm_shape), _param(bias, norm_shape)
-  xk, kernel_out = _kernel_io(x, out_dtype)
+  xk, kernel_out = _kernel_io(x, out_dtype, narrowing=centered or b is None)
   if centered:
     y = jn.layer_norm(xk, w, b, normalized_shape=norm_shape, eps=eps, out_dtype=kernel_out,
                       implementation=implementation)

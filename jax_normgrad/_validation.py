@@ -72,27 +72,33 @@ def check_param_dtype(name: str, param: jax.Array, x: jax.Array) -> None:
     raise TypeError(f"{name}: expected dtype {x.dtype} (x's dtype) or float32, got {param.dtype}")
 
 
-def check_out_dtype(out_dtype: Any, x: jax.Array, name: str = "out_dtype") -> Any:
+def check_out_dtype(out_dtype: Any, x: jax.Array, name: str = "out_dtype", *,
+                    narrowing: bool = False) -> Any:
   """A layer's result dtype: None or x's dtype (returned as None), or float32.
 
   float32 with a 16-bit x is the mixed precision of a float32 model with
   16-bit activations: y in float32, rounded once, and x never copied to
-  float32. Other combinations would round twice or need another kernel.
-  ``name``: the argument checked (``residual_dtype`` of the residual form
-  takes the same values).
+  float32. ``narrowing`` (LayerNorm, RMSNorm): also bfloat16 or float16
+  with a float32 x, the norm of a float32 residual stream feeding 16-bit
+  matmuls: y computed in float32 and rounded once to the 16-bit dtype by
+  the kernel, no float32 y written. Other combinations would round twice or
+  need another kernel. ``name``: the argument checked (``residual_dtype`` of
+  the residual form takes the same values, without narrowing).
   """
+  allowed = f"None, {x.dtype} (x's dtype) or float32" + (
+      ", or with a float32 x bfloat16 or float16" if narrowing else "")
   if out_dtype is None:
     return None
   try:
     dt = jnp.dtype(out_dtype)
   except TypeError:
-    raise TypeError(f"{name}: expected None, {x.dtype} (x's dtype) or float32, "
-                    f"got {out_dtype!r}") from None
+    raise TypeError(f"{name}: expected {allowed}, got {out_dtype!r}") from None
   if dt == x.dtype:
     return None
-  if dt != F32:
-    raise TypeError(f"{name}: expected None, {x.dtype} (x's dtype) or float32, got {dt}")
-  return dt
+  if dt == F32 or (narrowing and x.dtype == F32 and dt in (jnp.dtype(jnp.bfloat16),
+                                                           jnp.dtype(jnp.float16))):
+    return dt
+  raise TypeError(f"{name}: expected {allowed}, got {dt}")
 
 
 def check_params_share_dtype(weight_name: str, weight, bias_name: str, bias) -> None:

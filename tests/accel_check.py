@@ -137,6 +137,12 @@ def _op_cases():
       Case("grad(layer_norm) bfloat16 x, float32 params, out_dtype=float32",
            _grad(lambda x, w, b: jn.layer_norm(x, w, b, out_dtype=F32)),
            (_s((m, h), BF16), p, p), 2),
+      # A float32 stream's norm feeding bfloat16 matmuls: the forward writes the bfloat16 y,
+      # the backward reads the bfloat16 dy beside the float32 x.
+      *[Case(f"grad({name}) float32 x, out_dtype=bfloat16",
+             _grad(lambda x, w, fn=fn: fn(x, w, out_dtype=BF16), argnums=(0, 1)),
+             (_s((m, h)), p), 2)
+        for name, fn in (("layer_norm", jn.layer_norm), ("rms_norm", jn.rms_norm))],
       # The backward reads the bfloat16 x and the float32 dy each in its own dtype.
       *[Case(f"grad(group_norm) {layout} bfloat16 x, float32 params, out_dtype=float32",
              _grad(lambda x, w, b, axis=axis: jn.group_norm(x, 8, w, b, channel_axis=axis,

@@ -395,6 +395,30 @@ def test_pallas_float32_stream_backward_converts_nothing(platform):
   assert not [l for l in text.splitlines() if "stablehlo.convert" in l and "16x1000" in l]
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("centered", [True, False])
+def test_pallas_half_y_of_float32_x_converts_nothing(platform, centered):
+  """Exported for GPU / TPU, the norm of a float32 stream with a bfloat16 y (``out_dtype``):
+  the forward kernel writes the bfloat16 y and the backward reads the bfloat16 dy, no
+  tensor-sized convert around them (what the unfused pre-norm stack's first norm needs)."""
+  s = jax.ShapeDtypeStruct
+  norm = ((lambda x, w: jn.layer_norm(x, w, out_dtype=BF16)) if centered
+          else (lambda x, w: jn.rms_norm(x, w, out_dtype=BF16)))
+
+  def fwd_bwd(x, w, dy):
+    y, vjp = jax.vjp(norm, x, w)
+    return y, vjp(dy)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jn.FallbackWarning)
+    text = export_for(platform, jax.jit(fwd_bwd),
+                      (s((16, 1000), F32), s((1000,), F32), s((16, 1000), BF16)),
+                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+                      ).mlir_module()
+  assert "jax_normgrad_norm_fwd" in text and "jax_normgrad_norm_bwd" in text
+  assert not [l for l in text.splitlines() if "stablehlo.convert" in l and "16x1000" in l]
+
+
 class TestAddNormValidation:
   """Bad arguments fail at trace time, naming the argument."""
 

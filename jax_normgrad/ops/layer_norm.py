@@ -49,7 +49,7 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   """Canonical forward (LayerNorm, or RMSNorm when not ``centered``).
 
   Returns ``(y, mean, rstd, xhat, h)``: y with x's shape, in ``y_dtype`` (None:
-  x's dtype; else float32, see ``v.check_out_dtype``); float32
+  x's dtype; else see ``v.check_out_dtype``); float32
   mean (None when not centered) and rstd of shape ``A``, x's leading dims;
   xhat with x's shape and dtype when ``write_xhat``, else None. With a
   ``residual`` (x's shape) the normalized input is ``h = x + residual``,
@@ -246,7 +246,7 @@ class _LayerConfig(NamedTuple):
   scale_offset: float
   save: str  # "input": x, mean, rstd; "normalized": xhat, rstd.
   implementation: str | None
-  out_dtype: jnp.dtype | None = None  # None: x's dtype; else float32.
+  out_dtype: jnp.dtype | None = None  # None: x's dtype; else v.check_out_dtype's.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -313,10 +313,15 @@ def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, sc
       x need not be kept alive, e.g. when the next layer saves y anyway; with
       no weight and bias xhat is y itself and costs nothing. The backward then
       works from the rounded xhat, so 16-bit gradients are a little less exact.
-    out_dtype: y's dtype: None (x's dtype) or float32. float32 with a 16-bit x
-      and float32 parameters is what Flax and PyTorch autocast give: y rounded
-      once to float32, its cotangent read as float32 by the backward kernel,
-      the gradient of x in x's dtype; x is never copied to float32 on CPU.
+    out_dtype: y's dtype: None (x's dtype), float32, or with a float32 x
+      bfloat16 or float16. float32 with a 16-bit x and float32 parameters is
+      what Flax and PyTorch autocast give: y rounded once to float32, its
+      cotangent read as float32 by the backward kernel, the gradient of x in
+      x's dtype; x is never copied to float32 on CPU. A 16-bit y from a
+      float32 x is the norm of a float32 residual stream feeding 16-bit
+      matmuls (``layer_norm(h).astype(bfloat16)`` in one kernel): y computed
+      in float32 and rounded once, its 16-bit cotangent read as it is, the
+      gradient of x in float32; no float32 y is written or read.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -328,5 +333,6 @@ def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, sc
   x, norm_shape, weight, bias = _check_forward_args(x, normalized_shape, weight, bias)
   cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), True,
                      v.check_scale_offset(scale_offset, weight), v.check_save(save),
-                     v.check_implementation(implementation), v.check_out_dtype(out_dtype, x))
+                     v.check_implementation(implementation),
+                     v.check_out_dtype(out_dtype, x, narrowing=True))
   return _norm_layer(x, weight, bias, cfg)

@@ -118,8 +118,10 @@ def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.
     scale_offset: static float added to ``weight`` (``1.0`` for Gemma-style
       zero-centered weights); must be 0 without a weight. The gradient of
       ``weight`` is ``sum dy * xhat`` whatever the offset.
-    out_dtype: y's dtype: None (x's dtype) or float32 (a 16-bit x with
-      float32 parameters, y rounded once; see :func:`jax_normgrad.layer_norm`).
+    out_dtype: y's dtype: None (x's dtype), float32 (a 16-bit x with
+      float32 parameters, y rounded once), or with a float32 x bfloat16 or
+      float16 (a float32 residual stream feeding 16-bit matmuls, y rounded
+      once by the kernel); see :func:`jax_normgrad.layer_norm`.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -131,5 +133,6 @@ def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.
   x, norm_shape, weight, _ = _check_forward_args(x, normalized_shape, weight, None)
   cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), False,
                      v.check_scale_offset(scale_offset, weight), "input",
-                     v.check_implementation(implementation), v.check_out_dtype(out_dtype, x))
+                     v.check_implementation(implementation),
+                     v.check_out_dtype(out_dtype, x, narrowing=True))
   return _norm_layer(x, weight, None, cfg)

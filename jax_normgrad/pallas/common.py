@@ -266,16 +266,22 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
             gpu_backend: GpuBackend = TRITON, op: str = "norm_fwd", residual=None, h_dtype=None):
   """``(y, mean | None, rstd)``: ``y`` like x ``(n, a, b)``, statistics ``(n, groups)`` float32.
 
-  y is in ``y_dtype`` (None: x's). The kernels read and write one dtype: a float32 y from a 16-bit x widens x
-  first (exactly; an XLA convert), so y is rounded once.
+  y is in ``y_dtype`` (None: x's). A float32 y from a 16-bit x widens x first
+  (exactly; an XLA convert), so y is rounded once. A 16-bit y from a float32
+  x is written by the Triton and TPU kernels themselves (``y_dtype`` passed
+  on); the Mosaic GPU kernels write float32 and XLA rounds it after them.
 
   ``residual`` (x's shape, x's dtype or float32): the kernels normalize
   ``h = x + residual``, summed in float32 tile by tile (statistics and y from
   the unrounded sum), and also write h in ``h_dtype`` (None: x's): the
   result is ``(y, mean | None, rstd, h)``.
   """
-  if y_dtype is not None and y_dtype != x.dtype:
-    x = x.astype(y_dtype)
+  narrow = {}
+  if y_dtype is not None and jnp.dtype(y_dtype) != x.dtype:
+    if jnp.dtype(y_dtype).itemsize < x.dtype.itemsize:
+      narrow = dict(y_dtype=jnp.dtype(y_dtype))  # the kernels round y themselves
+    else:
+      x = x.astype(y_dtype)
   gpu, tpu = _backends()
   stats = jnp.zeros((seg.n, seg.groups), F32)
   if residual is not None:
@@ -288,10 +294,11 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
                     interpret=interpret, mosaic_gpu=kernels is not gpu, seg=seg, eps=eps,
                     h_dtype=h_dtype)
   if x.size == 0:
-    return jnp.zeros_like(x), (stats if seg.centered else None), stats
+    return (jnp.zeros(x.shape, narrow.get("y_dtype", x.dtype)), (stats if seg.centered else None),
+            stats)
   kernels = _gpu_kernels(gpu_backend, seg, x.dtype.itemsize, backward=False, op=op)
   return dispatch(kernels.forward, tpu.forward, (x, weight, bias), interpret=interpret,
-                  mosaic_gpu=kernels is not gpu, seg=seg, eps=eps)
+                  mosaic_gpu=kernels is not gpu, seg=seg, eps=eps, **narrow)
 
 
 def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,

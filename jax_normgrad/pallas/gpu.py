@@ -209,9 +209,11 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
   _loop(start, end, sample, 0)
 
 
-def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None):
+def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None,
+            y_dtype=None):
   """``(y, mean | None, rstd)``, or with a residual ``(x, residual, weight, bias)`` and
-  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``common.forward``."""
+  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``common.forward``. y in
+  ``y_dtype`` (None: x's; a 16-bit one with a float32 x)."""
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
   launch = _Launch(seg, config.gpu_plan(seg.shape, x.dtype.itemsize, backward=False,
@@ -220,7 +222,7 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_d
   kernel = functools.partial(_fwd_kernel, launch=launch, eps=eps, has_weight=weight is not None,
                              has_bias=bias is not None, has_residual=has_residual)
   h_out = [jax.ShapeDtypeStruct(x.shape, h_dtype)] if has_residual else []
-  y, *st = launch.call(kernel, [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+  y, *st = launch.call(kernel, [jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype)]
                        + [stats] * (1 + seg.centered) + h_out, x, residual, weight, bias,
                        interpret=interpret, name="jax_normgrad_norm_fwd")
   if not seg.centered:

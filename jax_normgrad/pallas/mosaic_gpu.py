@@ -388,13 +388,20 @@ def _fwd_scratch(launch: _Launch, plan, x_dtype, n_params: int, r_dtype=None, h_
   return scratch
 
 
-def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=None):
+def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=None,
+            y_dtype=None):
   """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``common.forward``.
+
+  ``y_dtype`` (a 16-bit y of a float32 x): these kernels write y in x's
+  dtype; it is rounded to ``y_dtype`` in an XLA pass after them.
 
   The residual form (rows): ``(x, residual, weight, bias)`` and ``h_dtype``
   give ``(y, mean | None, rstd, h)``, h = x + residual in float32 rounded
   once to ``h_dtype``, the statistics and y from the unrounded sum.
   """
+  if y_dtype is not None:
+    y, *rest = forward(x, *operands, seg=seg, eps=eps, interpret=interpret, h_dtype=h_dtype)
+    return (y.astype(y_dtype), *rest)
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
   if seg.kind != "rows":

@@ -389,12 +389,14 @@ def _compute_dtype(x):
   return F32 if x.dtype == jnp.float16 else x.dtype
 
 
-def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None):
+def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None,
+            y_dtype=None):
   """``(y, mean | None, rstd)``, or with a residual ``(x, residual, weight, bias)`` and
-  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``common.forward``."""
+  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``common.forward``. y in
+  ``y_dtype`` (None: x's; a 16-bit one with a float32 x)."""
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
-  out_dtype = x.dtype
+  out_dtype = jnp.dtype(y_dtype or x.dtype)
   x = x.astype(_compute_dtype(x))
   lay = _LAYOUTS[seg.kind](seg, x.dtype.itemsize)
   xv = x.reshape(lay.data_shape)
@@ -408,7 +410,7 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_d
   stats = jax.ShapeDtypeStruct(lay.stats_shape, F32)
   stat_outs = [("stats", stats)] * (1 + seg.centered)
   flags = dict(has_weight=weight is not None, has_bias=bias is not None)
-  y_out = [("data", jax.ShapeDtypeStruct(xv.shape, x.dtype))]
+  y_out = [("data", jax.ShapeDtypeStruct(xv.shape, _compute_dtype(jnp.zeros((), out_dtype))))]
   if lay.fused:
     y, *st = _call(lay, lay.stats_order,
                    functools.partial(_fwd_kernel, lay=lay, eps=eps, has_residual=has_residual,

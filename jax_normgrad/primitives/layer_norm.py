@@ -6,9 +6,12 @@ of shape ``(W, H)``, ``W = param_groups``, float32 or x's dtype (the two
 alike; every lowering computes in float32, and the CPU kernels read 16-bit
 parameters without a float32 copy). ``centered=False`` is
 RMSNorm (no mean: no ``mean`` operand or output, no ``mean(g)`` term).
-The forward's ``y_dtype`` (None: x's dtype, or float32) is y's dtype: a 16-bit
-x with float32 parameters gives a float32 y, read and computed without a
-float32 copy of x; its backward then takes a float32 ``dy``.
+The forward's ``y_dtype`` (None: x's dtype, float32, or a 16-bit dtype with a
+float32 x) is y's dtype: a 16-bit x with float32 parameters gives a float32
+y, read and computed without a float32 copy of x; its backward then takes a
+float32 ``dy``. A float32 x with a 16-bit y (a float32 residual stream's
+norm feeding 16-bit matmuls) has a 16-bit ``dy``, which the backward reads
+as it is.
 
 Two flags serve the vendor forms of the backward on the same kernels:
 ``write_xhat`` adds ``xhat = (x - mean) * rstd`` (in x's dtype) as a last
