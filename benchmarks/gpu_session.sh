@@ -18,6 +18,7 @@
 #   residual       benchmarks/bench_gpu.py --residual
 #   mosaic-bench   bench_gpu.py --only ln with --gpu-backend mosaic_gpu, then with Triton
 #   sweep          benchmarks/gpu_sweep.py (tile heuristics; SWEEP_CONFIGS: its --configs)
+#   trace          benchmarks/gpu_trace.py (kernel durations per call, compiled modules)
 #   tests          the op suites on the GPU (pytest-xdist), installed package, cut at the deadline
 #   mosaic-tests   the op suites' Default classes with JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu
 # Each stage's time limit is its own cap or what is left of the budget, whichever is less.
@@ -98,6 +99,10 @@ for stage in $stages; do
         --configs "${SWEEP_CONFIGS:-default,partials_old,partials_stages3,pipeline_all,fwd_bpt32,bwd_bpt32,bwd_warps64}" \
         >"$OUT/sweep.log" 2>&1
       echo "sweep rc=$? at $((SECONDS - start)) s" >>"$OUT/sweep.log" ;;
+    trace)
+      PYTHONPATH=$(srcpath) timeout "$(cap 120)" python3 benchmarks/gpu_trace.py --out "$OUT/trace" \
+        >"$OUT/trace.log" 2>&1
+      echo "trace rc=$? at $((SECONDS - start)) s" >>"$OUT/trace.log" ;;
     tests)
       pytest_run pytest.log "$(cap 150 20)" -- --junitxml="$OUT/junit.xml" $OP_SUITES \
         tests/test_layers.py tests/test_nonfinite.py tests/test_pallas.py \
@@ -121,6 +126,7 @@ grep -E "FAIL|rc=|^==|rror" "$OUT/selfcheck.txt" 2>/dev/null | head -30
 grep -E "^\||rc=|Error|error" "$OUT/bench.log" 2>/dev/null | grep -v "^| ---" | head -40
 grep -E "fused|rc=" "$OUT/bench.log" 2>/dev/null | head -12
 grep -E "^\||rc=|rror" "$OUT/sweep.log" 2>/dev/null | grep -v "^| ---" | head -12
+grep -E "^==|rc=|rror" "$OUT/trace.log" 2>/dev/null | head -14
 for log in pytest.log pytest_mosaic.log; do
   [ -f "$OUT/$log" ] || continue
   echo "== $log"; grep -E "^(FAILED|ERROR)" "$OUT/$log" | cut -c1-150 | head -25; tail -2 "$OUT/$log"

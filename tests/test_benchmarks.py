@@ -247,3 +247,18 @@ def test_op_names_tells_matmul_fusions_by_their_whole_name():
   assert {"mm", "ew", "cc", "dot.0", "add.0"} <= names
   assert "mm" in matmuls and "dot.0" in matmuls
   assert "ew" not in matmuls and "cc" not in matmuls
+
+
+def test_gpu_trace_smoke_run(tmp_path):
+  """The kernel-time trace: every function's compiled module written and its events summed
+  (on CPU the host runtime's, matched to the module's instruction names)."""
+  import json
+  trace = _load_script("gpu_trace.py")
+  assert trace.main(["--smoke", "--calls", "2", "--out", str(tmp_path)]) == 0
+  kernels = json.loads((tmp_path / "kernels.json").read_text())["kernels"]
+  assert set(kernels) == {name for name, _, _ in trace.jobs(smoke=True)}
+  for name, table in kernels.items():
+    assert (tmp_path / f"{name}.hlo.txt").read_text().startswith("HloModule")
+    assert sum(us for us, _ in table.values()) > 0, name
+  # The fused form's custom calls are among the events (its norms are kernels).
+  assert any(k.startswith(("ffi_call", "custom-call")) for k in kernels["stack_bf16_f32stream_fused"])
