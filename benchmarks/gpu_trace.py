@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import pathlib
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -88,13 +85,7 @@ def trace(fn, args, calls: int) -> list[dict]:
   """The events of ``calls`` blocked calls of ``fn`` (compiled and warmed up first)."""
   for _ in range(2):
     jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      for _ in range(calls):
-        jax.block_until_ready(fn(*args))
-    path, = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
-    with gzip.open(path) as f:
-      return json.load(f)["traceEvents"]
+  return _bench.trace_events(fn, args, calls)
 
 
 def main(argv=None) -> int:

@@ -469,6 +469,17 @@ def _op_names(hlo_text: str) -> tuple[set[str], set[str]]:
   return names, matmuls
 
 
+def trace_events(fn, args, calls: int) -> list[dict]:
+  """The ``jax.profiler`` trace events of ``calls`` blocked calls of ``fn(*args)``."""
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    path, = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
+    with gzip.open(path) as f:
+      return json.load(f)["traceEvents"]
+
+
 def step_op_ms(step, args, calls: int = 5) -> dict:
   """Where a jitted step's time goes, from a profile of ``calls`` calls: ms per call.
 
@@ -476,18 +487,12 @@ def step_op_ms(step, args, calls: int = 5) -> dict:
   including custom calls), ``matmul`` that of the dots and convolutions (and
   fusions containing one), ``other`` the rest: the memory-bound passes a
   norm's implementation changes. Summed op durations, not wall time (ops
-  the runtime runs concurrently both count). Uses ``jax.profiler``'s
-  Perfetto trace (``create_perfetto_trace``), so it needs a backend whose
-  runtime emits per-op trace events (XLA:CPU does).
+  the runtime runs concurrently both count). Uses a ``jax.profiler`` trace
+  (:func:`trace_events`), so it needs a backend whose runtime emits per-op
+  trace events (XLA:CPU does).
   """
   names, matmuls = _op_names(step.lower(*args).compile().as_text())
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp, create_perfetto_trace=True):
-      for _ in range(calls):
-        jax.block_until_ready(step(*args))
-    paths = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
-    with gzip.open(paths[0]) as f:
-      events = json.load(f)["traceEvents"]
+  events = trace_events(step, args, calls)
   ops = matmul = 0.0
   for e in events:
     name = e.get("name", "")
