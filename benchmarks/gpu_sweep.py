@@ -7,7 +7,8 @@ Run from the repository root on a machine with a GPU::
 
 Each configuration's forward and backward (``layer_norm_fwd`` /
 ``layer_norm_backward`` and their RMSNorm and GroupNorm equivalents: the
-kernels alone, as in ``bench_gpu.py``) are compiled under its override
+kernels alone, as in ``bench_gpu.py``; for the ``add_*`` rows the fused
+residual op's forward, and its forward + backward in the "bwd" column) are compiled under its override
 (``config.override``, with ``jax.clear_caches()`` around it), then every
 compiled function is timed in interleaved rounds, so that each figure sees
 the same machine state. Samples are calls issued back to back and blocked
@@ -26,11 +27,13 @@ import argparse
 import json
 import pathlib
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_normgrad as jn
 from jax_normgrad import _bench
 from jax_normgrad.pallas import config
 
@@ -40,8 +43,13 @@ import bench_gpu  # noqa: E402
 ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
         ("rms", (32768, 1024), jnp.bfloat16), ("ln", (16384, 4096), jnp.bfloat16),
         ("rms", (16384, 4096), jnp.float32), ("ln", (4096, 16384), jnp.float32),
-        ("gn_nhwc", (8, 256, 64, 64, 32), jnp.float32)]
-SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32)]
+        ("gn_nhwc", (8, 256, 64, 64, 32), jnp.float32),
+        # Issue 27's rows behind (H200, 2026-11-26): the residual form's forward and its
+        # forward + backward (add_*; "+f32" a float32 residual stream).
+        ("add_ln", (16384, 4096), jnp.bfloat16), ("add_rms", (16384, 4096), jnp.float32),
+        ("add_rms", (32768, 1024), jnp.float32), ("add_rms+f32", (16384, 4096), jnp.bfloat16)]
+SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32),
+              ("add_rms+f32", (24, 40), jnp.bfloat16)]
 #: name -> config.Tuning changes. "default" is the package's own.
 CONFIGS = {
     "default": {},
@@ -62,7 +70,32 @@ CONFIGS = {
     "fwd_warps64": {"gpu_warps_per_sm_fwd": 64},
     "fwd_one_row": {"gpu_warps_per_sm_fwd": 1 << 14},  # a program per row, or nearly
     "bwd_warps64": {"gpu_warps_per_sm": 64},
+    # The residual form's forward at the plain forward's 32 bytes per thread (float32: 8
+    # elements, as the candidate rule of docs/development.md; 16-bit: 16).
+    "res_fwd_bpt32": {"gpu_fwd_residual_bytes_per_thread": 32},
 }
+
+
+def residual_workload(kind, shape, dtype):
+  """An ``add_*`` row: the fused op's forward as "fwd", its forward + backward as "bwd"."""
+  residual_dtype = jnp.float32 if kind.endswith("+f32") else None
+  ln = kind.startswith("add_ln")
+  stream = jnp.dtype(residual_dtype or dtype)
+  k = jax.random.split(jax.random.key(0), 6)
+  x, r, dy, dh = (jax.random.normal(ki, shape, jnp.float32).astype(d)
+                  for ki, d in zip(k[:4], (dtype, stream, dtype, stream)))
+  w = (1 + 0.1 * jax.random.normal(k[4], shape[-1:], jnp.float32)).astype(stream)
+  b = (0.1 * jax.random.normal(k[5], shape[-1:], jnp.float32)).astype(stream)
+
+  def fwd(x, r, w, b):
+    if ln:
+      return jn.add_layer_norm(x, r, w, b, residual_dtype=residual_dtype)
+    return jn.add_rms_norm(x, r, w, residual_dtype=residual_dtype)
+
+  fwd_bwd = _bench.residual_variants("ln" if ln else "rms", dtype, residual_dtype)["fused"]
+  return types.SimpleNamespace(name=_name(kind, shape, dtype), nbytes_fwd=0, nbytes_bwd=0,
+                               ours_fwd=(fwd, (x, r, w, b)),
+                               ours_bwd=(fwd_bwd, (x, r, w, b, dy, dh)))
 
 
 def _name(kind, shape, dtype) -> str:
@@ -71,7 +104,7 @@ def _name(kind, shape, dtype) -> str:
 
 def sweep_row(kind, shape, dtype, configs: dict, *, iters: int, rounds: int,
               batch_ms: float) -> dict:
-  wl = bench_gpu.workload(kind, shape, dtype)
+  wl = (residual_workload if kind.startswith("add_") else bench_gpu.workload)(kind, shape, dtype)
   compiled, errors = {}, {}
   for name, changes in configs.items():
     jax.clear_caches()
