@@ -13,7 +13,9 @@
   XLA_FFI_DECLARE_HANDLER_SYMBOL(JngGroupNormApply_##isa);     \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(JngGroupNormBwd_##isa)
 
+#ifdef JNG_HAVE_GENERIC
 JNG_DECLARE_HANDLERS(generic);
+#endif
 #ifdef JNG_HAVE_AVX2
 JNG_DECLARE_HANDLERS(avx2);
 #endif
