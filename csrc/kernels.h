@@ -1,6 +1,7 @@
 // The XLA FFI handlers of jax_normgrad: one symbol per op and instruction set,
-// defined next to its kernel (layer_norm.cc, group_norm.cc), which CMake
-// compiles once per ISA; module.cc exports the best set the CPU supports.
+// defined next to its kernel (layer_norm.cc, layer_norm_bwd.cc, group_norm.cc),
+// which CMake compiles once per ISA; module.cc exports the best set the CPU
+// supports.
 #ifndef JAX_NORMGRAD_CSRC_KERNELS_H_
 #define JAX_NORMGRAD_CSRC_KERNELS_H_
 

@@ -259,6 +259,24 @@ BAD_FFI_CALLS = [
           compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False,
           write_dx_dy=True),
      "grad_input_dy_dtype: dtype must match grad_out"),
+    # dh with a float32 dy of a 16-bit x (no residual form brings it; not compiled).
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8), jnp.bfloat16), _sds((1, 8)), _sds((1, 8)),
+                                     _sds((0,), jnp.bfloat16), _sds((0,))],
+     (np.ones((4, 8), np.float32), np.ones((4, 8), jnp.bfloat16), np.ones(4, np.float32),
+      np.ones(4, np.float32), None, np.ones((4, 8), jnp.bfloat16)),
+     dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=True,
+          write_dx_dy=False),
+     "dh: needs grad_out in x's dtype"),
+    # dx in dy's dtype where dy is x's (float32) dtype: only for a 16-bit dy of a float32 x.
+    ("jax_normgrad_layer_norm_bwd", [_sds((4, 8)), _sds((1, 8)), _sds((1, 8)), _sds((0,)),
+                                     _sds((4, 8))],
+     (np.ones((4, 8), np.float32), np.ones((4, 8), np.float32), np.ones(4, np.float32),
+      np.ones(4, np.float32), None, None),
+     dict(param_groups=1, has_weight=False, compute_dx=True, compute_dweight=True,
+          compute_dbias=True, centered=True, normalized=False, write_xhat=False, has_dh=False,
+          write_dx_dy=True),
+     "grad_input_dy_dtype: needs a float32 x and a 16-bit grad_out"),
     # group that does not divide C.
     ("jax_normgrad_group_norm_bwd", [_sds((2, 6, 5)), _sds((1, 6)), _sds((1, 6))],
      (np.ones((2, 6, 5), np.float32), np.ones((2, 6, 5), np.float32), np.ones((2, 4), np.float32),
@@ -298,6 +316,25 @@ BAD_FFI_CALLS = [
 def test_ffi_handlers_return_errors(target, out_types, operands, attrs, match):
   with pytest.raises(Exception, match=match):
     jax.block_until_ready(_raw(target, out_types, *operands, **attrs))
+
+
+@pytest.mark.parametrize("x_dtype,dy_dtype,flag", [
+    (jnp.bfloat16, jnp.float32, "has_dh"), (jnp.float32, jnp.float32, "write_dx_dy"),
+    (jnp.bfloat16, jnp.bfloat16, "write_dx_dy"), (jnp.bfloat16, jnp.float32, "write_dx_dy")])
+@pytest.mark.parametrize("implementation", ["ffi", "xla"])
+def test_residual_flags_refuse_other_dtypes(x_dtype, dy_dtype, flag, implementation):
+  """The backward primitive's residual-form flags take the residual form's dtypes only, on every
+  backend (the C++ kernels are compiled for those only; their handler refuses the rest too)."""
+  from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p
+  x, dy = jnp.ones((4, 8), x_dtype), jnp.ones((4, 8), dy_dtype)
+  stats = (jnp.zeros((4,), jnp.float32), jnp.ones((4,), jnp.float32))
+  flags = dict(has_dh=flag == "has_dh", write_dx_dy=flag == "write_dx_dy")
+  dh = (x,) if flags["has_dh"] else ()
+  with pytest.raises(TypeError, match=flag):
+    jax.eval_shape(lambda *a: layer_norm_bwd_p.bind(
+        *a, centered=True, has_weight=False, output_mask=(True, False, False), param_groups=1,
+        normalized=False, write_xhat=False, implementation=implementation, **flags),
+        dy, x, *stats, *dh)
 
 
 def _default_isa() -> str:

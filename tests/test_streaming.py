@@ -96,7 +96,7 @@ def test_layer_norm_long_rows_stream_by_column_chunks():
   # into column chunks, as that of the 2-row block does, and streams dx. Both
   # take column chunks on any machine: the block's because it has few rows,
   # the tiled one's because x and dy fit 32 MiB and a row's x and dy (2 MiB)
-  # do not fit half of any L2 up to 4 MiB (layer_norm.cc, LayerNormBwdImpl).
+  # do not fit half of any L2 up to 4 MiB (layer_norm_bwd.cc, LayerNormBwdImpl).
   # With rows of 2^16 + 5 the tiled one took row tasks where the L2 is >= 1.05
   # MiB (a 2 MiB-L2 Xeon), and another summation order than the block's.
   # The statistics are the block's, tiled: the forward of 2 rows takes column

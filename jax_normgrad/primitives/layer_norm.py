@@ -30,7 +30,10 @@ takes dy in its 16-bit dtype, and ``write_dx_dy`` (with dx) adds a
 result right after dx: dx rounded to dy's dtype, the gradient of the 16-bit
 x. The kernels read and write those directly, as XLA's fusion of the jnp
 form does, instead of an XLA pass widening dy before them and another
-rounding dx after.
+rounding dx after. Those are the only dtypes of the two flags (TypeError
+otherwise, on every backend): ``has_dh`` with dy in x's dtype or 16-bit
+with a float32 x, ``write_dx_dy`` with a float32 x and a 16-bit dy; the CPU
+kernels are compiled for these only.
 ``write_xhat`` is refused with ``has_residual`` on every backend: the
 residual form's backward works from h, which the forward writes anyway (the
 next block reads it), so an xhat would be a second tensor-sized write that
@@ -134,6 +137,13 @@ def _bwd_abstract(dy, x, *rest, centered, has_weight, output_mask, param_groups,
     raise ValueError("write_dx_dy: a second dx, which output_mask leaves out")
   if dy.dtype != x.dtype and dy.dtype != F32 and x.dtype != F32:
     raise TypeError(f"dy: expected x's dtype ({x.dtype}) or float32, got {dy.dtype}")
+  # The residual form's dtypes (ops/add_norm.py), the only ones its kernels are built for.
+  if has_dh and dy.dtype == F32 and x.dtype != F32:
+    raise TypeError(f"has_dh: expected dy in x's dtype ({x.dtype}) or a 16-bit dy with a "
+                    f"float32 x, got a float32 dy with a {x.dtype} x")
+  if write_dx_dy and not (x.dtype == F32 and dy.dtype != F32):
+    raise TypeError(f"write_dx_dy: expected a float32 x and a 16-bit dy, got x {x.dtype} and "
+                    f"dy {dy.dtype}")
   outs = []
   if output_mask[0]:
     outs.append(shaped(x.shape, x.dtype))
