@@ -8,8 +8,9 @@ Run from the repository root on a machine with a GPU::
 Each configuration's forward and backward (``layer_norm_fwd`` /
 ``layer_norm_backward`` and their RMSNorm and GroupNorm equivalents: the
 kernels alone, as in ``bench_gpu.py``; for the ``add_*`` rows the fused
-residual op's forward, and its forward + backward in the "bwd" column) are compiled under its override
-(``config.override``, with ``jax.clear_caches()`` around it), then every
+residual op's forward, and its forward + backward in the "bwd" column) are
+compiled under its override (``config.override``, with ``jax.clear_caches()``
+around it), then every
 compiled function is timed in interleaved rounds, so that each figure sees
 the same machine state. Samples are calls issued back to back and blocked
 once (``_bench.call_times_ms(batch_ms=...)``). Each configuration's outputs
@@ -80,12 +81,7 @@ def residual_workload(kind, shape, dtype):
   """An ``add_*`` row: the fused op's forward as "fwd", its forward + backward as "bwd"."""
   residual_dtype = jnp.float32 if kind.endswith("+f32") else None
   ln = kind.startswith("add_ln")
-  stream = jnp.dtype(residual_dtype or dtype)
-  k = jax.random.split(jax.random.key(0), 6)
-  x, r, dy, dh = (jax.random.normal(ki, shape, jnp.float32).astype(d)
-                  for ki, d in zip(k[:4], (dtype, stream, dtype, stream)))
-  w = (1 + 0.1 * jax.random.normal(k[4], shape[-1:], jnp.float32)).astype(stream)
-  b = (0.1 * jax.random.normal(k[5], shape[-1:], jnp.float32)).astype(stream)
+  x, r, w, b, dy, dh = _bench.residual_inputs(shape, dtype, residual_dtype)
 
   def fwd(x, r, w, b):
     if ln:

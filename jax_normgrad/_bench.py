@@ -349,6 +349,18 @@ def residual_variants(kind, dtype, residual_dtype=None):
   return {name: step(f) for name, f in (("fused", fused), ("unfused", unfused), ("xla", xla))}
 
 
+def residual_inputs(shape, dtype, residual_dtype=None):
+  """The residual rows' operands ``(x, r, w, b, dy, dh)``: x and dy in ``dtype``; the residual,
+  h's cotangent and the parameters in the stream's dtype (``residual_dtype``, None: ``dtype``)."""
+  stream = jnp.dtype(residual_dtype or dtype)
+  k = jax.random.split(jax.random.key(0), 6)
+  x, r, dy, dh = (jax.random.normal(ki, shape, jnp.float32).astype(d)
+                  for ki, d in zip(k[:4], (dtype, stream, dtype, stream)))
+  w = (1 + 0.1 * jax.random.normal(k[4], shape[-1:], jnp.float32)).astype(stream)
+  b = (0.1 * jax.random.normal(k[5], shape[-1:], jnp.float32)).astype(stream)
+  return x, r, w, b, dy, dh
+
+
 def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0, batch_ms=0.0,
                      residual_dtype=None):
   """One residual row: each variant's median over interleaved rounds, and the ratios to fused.
@@ -359,11 +371,7 @@ def measure_residual(kind, shape, dtype, iters, rounds=3, settle_s=0.0, batch_ms
   """
   rows_, hidden = shape
   stream = jnp.dtype(residual_dtype or dtype)
-  k = jax.random.split(jax.random.key(0), 6)
-  x, r, dy, dh = (jax.random.normal(ki, shape, jnp.float32).astype(d)
-                  for ki, d in zip(k[:4], (dtype, stream, dtype, stream)))
-  w = (1 + 0.1 * jax.random.normal(k[4], (hidden,), jnp.float32)).astype(stream)
-  b = (0.1 * jax.random.normal(k[5], (hidden,), jnp.float32)).astype(stream)
+  x, r, w, b, dy, dh = residual_inputs(shape, dtype, residual_dtype)
   variants = residual_variants(kind, dtype, residual_dtype)
   per_round = max(1, -(-iters // rounds))
   samples = {name: [] for name in variants}
