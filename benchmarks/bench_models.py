@@ -5,6 +5,8 @@ Run from the repository root after `pip install .` (flax; optax if installed):
     python benchmarks/bench_models.py                  # both models, 5 rounds
     python benchmarks/bench_models.py --quick          # tiny models, 1 round: a smoke run
     python benchmarks/bench_models.py --model unet --rounds 8 --iters 40
+    python benchmarks/bench_models.py --model transformer --rounds 40 --iters 80 \
+        --keep-freed-memory --profile-rounds 5   # no page faults; savings by op time too
 
 Two models, each built with flax.linen in several variants that differ only
 in their norms:
@@ -37,8 +39,16 @@ are timed in interleaved rounds (each round times every variant in turn,
 after a pause and one untimed call, as bench_cpu.py's columns), medians
 over all rounds. Reported: the norms' share of flax's step, ``(flax -
 identity) / flax``, and the share of that norm time each package variant
-saves, ``(flax - variant) / (flax - identity)``. Writes a JSON file
-(``--out``) with the machine, versions and the load average.
+saves, ``(flax - variant) / (flax - identity)``, with a 90% interval
+for it from the rounds (:func:`saves_interval`: each round times every
+variant back to back, so a round's differences are paired; a slow spell
+of the machine moves all of a round's steps together). With
+``--profile-rounds`` also by op time (:func:`measure_model`). With
+``--keep-freed-memory``, :func:`jax_normgrad.keep_freed_memory` first:
+without it each step's fresh buffers page-fault, and on the 2-core VM a
+step's first op that touches them stalled for 25-50 ms in about one step
+of four, whichever variant's op that was. Writes a JSON
+file (``--out``) with the machine, versions and the load average.
 """
 
 from __future__ import annotations
@@ -321,8 +331,40 @@ def custom_calls(step, args) -> int:
   return step.lower(*args).as_text().count("custom_call @jax_normgrad_")
 
 
+def saves_interval(flax_rounds, variant_rounds, base_rounds, level: float = 0.9,
+                   draws: int = 4000, seed: int = 0) -> tuple[float, float, float] | None:
+  """The share of the norm time a variant saves, from paired rounds, and its interval.
+
+  Each argument holds one median step time (ms) per round, for flax's
+  layers, the variant and the norm-free baseline. The estimate is
+  ``median_r(flax_r - variant_r) / median_r(flax_r - base_r)``: each
+  round's differences are taken between steps timed within seconds of
+  each other, so the machine's slow spells, which move every variant of a
+  round alike, cancel. The interval resamples the rounds (percentile
+  bootstrap, ``draws`` resamples with a fixed seed: the same rounds give
+  the same interval). Returns ``(estimate, low, high)``, or None with
+  fewer than 3 rounds or a norm time whose median is not positive.
+  """
+  f, v, b = (np.asarray(a, dtype=np.float64) for a in (flax_rounds, variant_rounds, base_rounds))
+  if not (len(f) == len(v) == len(b)):
+    raise ValueError(f"rounds: flax, variant and base must have one time per round each, got "
+                     f"{len(f)}, {len(v)} and {len(b)}")
+  saved, norm = f - v, f - b
+  if len(f) < 3 or np.median(norm) <= 0:
+    return None
+  idx = np.random.default_rng(seed).integers(0, len(f), size=(draws, len(f)))
+  num, den = np.median(saved[idx], axis=1), np.median(norm[idx], axis=1)
+  # A resample whose norm time is not positive resolves no share: +-inf by the sign of the saving.
+  with np.errstate(divide="ignore", invalid="ignore"):
+    ratios = np.where(den > 0, num / den, np.copysign(np.inf, num))
+  tail = 100 * (1 - level) / 2
+  low = np.percentile(ratios, tail, method="inverted_cdf")  # resampled values, none interpolated
+  high = np.percentile(ratios, 100 - tail, method="inverted_cdf")
+  return float(np.median(saved) / np.median(norm)), float(low), float(high)
+
+
 def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
-                  settle_s: float = SETTLE_S) -> dict:
+                  settle_s: float = SETTLE_S, profile_rounds: int = 0) -> dict:
   """One model: each variant's step in interleaved rounds; the medians, shares and savings.
 
   ``setups``: variant -> ``(model, x, target)``; must hold ``flax`` and
@@ -332,7 +374,18 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   "<variant>_saves"}`` with ``<variant>_saves = (flax - variant) / (flax -
   identity)`` for each package variant (the share of the norm time saved);
   with ``affine``, also ``norm_ms_affine = flax - affine`` and
-  ``<variant>_saves_vs_affine`` against that.
+  ``<variant>_saves_vs_affine`` against that. ``<variant>_saves_paired``
+  (and ``..._vs_affine_paired``): ``[estimate, low, high]`` of
+  :func:`saves_interval` from the round medians, or None.
+
+  With ``profile_rounds``, each variant's step is also profiled in that
+  many interleaved rounds of 2 calls (:func:`jax_normgrad._bench.step_op_ms`):
+  ``<variant>_op_ms`` holds the medians of its summed op times (``ops``,
+  ``matmul``, ``other``: ms per step), and ``<variant>_saves_by_op_time``
+  the saved share computed from the ``other`` times, the passes besides
+  the dots and convolutions, where every norm's cost lies; the variants'
+  matmuls are the same ones, and on a 2-core machine their run-to-run
+  spread is larger than the whole norm time.
   """
   steps = {v: training_step(*s) for v, s in setups.items()}
   per_round = max(1, -(-iters // rounds))
@@ -345,13 +398,22 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
                                    iters=per_round)
       samples[v] += times
       round_medians[v].append(float(np.median(times)))
-  row = {"model": name, "variants": list(steps), "rounds": rounds, "iters": per_round * rounds}
+  op_times = {v: [] for v in steps}
+  for _ in range(profile_rounds):
+    for v, (step, args) in steps.items():
+      time.sleep(settle_s)
+      op_times[v].append(_bench.step_op_ms(step, args, calls=2))
+  row = {"model": name, "variants": list(steps), "rounds": rounds, "iters": per_round * rounds,
+         "profile_rounds": profile_rounds}
   for v, (step, args) in steps.items():
     row[f"{v}_loss"] = float(step(*args)[0])  # the first step's: flax's and the kernels' agree
     row[f"{v}_ms"] = float(np.median(samples[v]))
     row[f"{v}_rounds_ms"] = round_medians[v]
     row[f"{v}_params"] = count_params(steps[v][1][0])
     row[f"{v}_custom_calls"] = custom_calls(*steps[v])
+    if profile_rounds:
+      row[f"{v}_op_ms"] = {k: float(np.median([t[k] for t in op_times[v]]))
+                           for k in ("ops", "matmul", "other")}
   flax_ms, none_ms = row["flax_ms"], row["identity_ms"]
   row["norm_ms"] = flax_ms - none_ms
   row["norm_share"] = row["norm_ms"] / flax_ms
@@ -363,6 +425,17 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
       row[f"{v}_saves"] = (flax_ms - row[f"{v}_ms"]) / row["norm_ms"] if row["norm_ms"] > 0 else None
       if row.get("norm_ms_affine", 0) > 0:
         row[f"{v}_saves_vs_affine"] = (flax_ms - row[f"{v}_ms"]) / row["norm_ms_affine"]
+      if profile_rounds:
+        for suffix, base in (("", "identity"), ("_vs_affine", "affine")):
+          if base in steps:
+            other = {b: row[f"{b}_op_ms"]["other"] for b in ("flax", v, base)}
+            norm_other = other["flax"] - other[base]
+            row[f"{v}_saves_by_op_time{suffix}"] = ((other["flax"] - other[v]) / norm_other
+                                                    if norm_other > 0 else None)
+      for suffix, base in (("", "identity"), ("_vs_affine", "affine")):
+        if base in steps:
+          paired = saves_interval(round_medians["flax"], round_medians[v], round_medians[base])
+          row[f"{v}_saves{suffix}_paired"] = list(paired) if paired else None
   return row
 
 
@@ -375,6 +448,18 @@ def print_row(row: dict):
              if saves is not None else "")
     if f"{v}_saves_vs_affine" in row:
       extra += f" ({100 * row[f'{v}_saves_vs_affine']:.1f}% against affine)"
+    for suffix, base in (("", "identity"), ("_vs_affine", "affine")):
+      paired = row.get(f"{v}_saves{suffix}_paired")
+      if paired:
+        extra += (f"\n{'':12s}by round pairs against {base}: {100 * paired[0]:.1f}%, "
+                  f"90% interval {100 * paired[1]:.1f}% to {100 * paired[2]:.1f}%")
+    if f"{v}_op_ms" in row:
+      op = row[f"{v}_op_ms"]
+      extra += f"\n{'':12s}op time {op['ops']:.1f} ms: matmuls {op['matmul']:.1f}, other {op['other']:.1f}"
+      if row.get(f"{v}_saves_by_op_time") is not None:
+        extra += f"; saves {100 * row[f'{v}_saves_by_op_time']:.1f}% of the norms' op time"
+      if row.get(f"{v}_saves_by_op_time_vs_affine") is not None:
+        extra += f" ({100 * row[f'{v}_saves_by_op_time_vs_affine']:.1f}% against affine)"
     print(f"  {v:9s} {row[f'{v}_ms']:9.2f} ms  ({row[f'{v}_custom_calls']} custom calls;"
           f" by round {' '.join(f'{t:.1f}' for t in row[f'{v}_rounds_ms'])}){extra}", flush=True)
   print(f"  norms: {row['norm_ms']:.2f} ms, {100 * row['norm_share']:.1f}% of flax's step"
@@ -391,8 +476,15 @@ def main(argv=None):
   parser.add_argument("--iters", type=int, default=25, help="timed steps per variant (over the rounds)")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--settle-ms", type=float, default=1e3 * SETTLE_S)
+  parser.add_argument("--profile-rounds", type=int, default=0,
+                      help="also profile each variant's step in this many interleaved rounds of 2 "
+                           "calls: its op time besides the matmuls, and the savings by it")
+  parser.add_argument("--keep-freed-memory", action="store_true",
+                      help="call jax_normgrad.keep_freed_memory() first (no fresh-page faults)")
   parser.add_argument("--out", default="benchmarks/results/models.json")
   args = parser.parse_args(argv)
+  import jax_normgrad as jn
+  kept = jn.keep_freed_memory() if args.keep_freed_memory else False
   size = "quick" if args.quick else "default"
   iters, rounds = (2, 1) if args.quick else (args.iters, args.rounds)
   settle_s = args.settle_ms / 1e3
@@ -404,6 +496,7 @@ def main(argv=None):
   info["cpu_kernel_isa"] = _ffi.isa()
   info["cpu_model"] = cpu_model()
   info["settle_s"] = settle_s
+  info["keep_freed_memory"] = kept
   info["loadavg_start"] = os.getloadavg()
   print(json.dumps(info))
   rows = []
@@ -411,7 +504,8 @@ def main(argv=None):
     setups = {v: unet_setup(v, size) for v in unet_variants()}
     b, side, channels, blocks, groups = UNET_SIZES[size]
     row = measure_model(f"unet {b}x{side}x{side}x3, channels {'/'.join(map(str, channels))}, "
-                        f"{blocks} blocks per level, {groups} groups", setups, iters, rounds, settle_s)
+                        f"{blocks} blocks per level, {groups} groups", setups, iters, rounds, settle_s,
+                        args.profile_rounds)
     row["norm_shapes"] = unet_norm_shapes(size)
     rows.append(row)
     print_row(row)
@@ -419,7 +513,8 @@ def main(argv=None):
     setups = {v: transformer_setup(v, args.norm, size) for v in TRANSFORMER_VARIANTS}
     b, tokens, width, heads, blocks = TRANSFORMER_SIZES[size]
     rows.append(measure_model(f"pre-norm transformer {b}x{tokens}x{width}, {heads} heads, "
-                              f"{blocks} blocks, {args.norm} norm", setups, iters, rounds, settle_s))
+                              f"{blocks} blocks, {args.norm} norm", setups, iters, rounds, settle_s,
+                              args.profile_rounds))
     print_row(rows[-1])
   info["loadavg_end"] = os.getloadavg()
   out = pathlib.Path(args.out)

@@ -7,6 +7,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax_normgrad import _bench
@@ -189,7 +190,8 @@ def test_bench_models_quick_unet_reports_share_and_savings(tmp_path, capsys):
   pytest.importorskip("flax")
   bench_models = _load_script("bench_models.py")
   out = tmp_path / "models.json"
-  assert bench_models.main(["--quick", "--model", "unet", "--settle-ms", "0", "--out", str(out)]) == 0
+  assert bench_models.main(["--quick", "--model", "unet", "--settle-ms", "0", "--profile-rounds", "1",
+                           "--out", str(out)]) == 0
   result = json.loads(out.read_text())
   assert {"jax", "jax_normgrad", "flax", "optimizer", "loadavg_start", "loadavg_end"} <= set(
       result["info"])
@@ -209,6 +211,38 @@ def test_bench_models_quick_unet_reports_share_and_savings(tmp_path, capsys):
   # stand-in's too), less the identities' norms.
   assert row["ours_params"] == row["flax_params"] == row["affine_params"] > row["identity_params"]
   assert "norms:" in capsys.readouterr().out
+  # One round pairs nothing: no interval.
+  assert row["ours_saves_paired"] is None and row["ours_saves_vs_affine_paired"] is None
+  # The op-time profile: every variant's, split into matmuls and the rest.
+  assert row["profile_rounds"] == 1
+  for v in row["variants"]:
+    op = row[f"{v}_op_ms"]
+    assert op["matmul"] > 0 and op["other"] > 0
+    assert op["ops"] == pytest.approx(op["matmul"] + op["other"])
+  flax_other, id_other = row["flax_op_ms"]["other"], row["identity_op_ms"]["other"]
+  if flax_other > id_other:
+    assert row["ours_saves_by_op_time"] == pytest.approx(
+        (flax_other - row["ours_op_ms"]["other"]) / (flax_other - id_other))
+  assert result["info"]["keep_freed_memory"] is False  # not asked for: the process's allocator untouched
+
+
+def test_saves_interval_from_paired_rounds():
+  """The saved share from paired rounds: a slow spell common to a round cancels; the interval covers the truth."""
+  bench_models = _load_script("bench_models.py")
+  rng = np.random.default_rng(3)
+  spell = rng.normal(0.0, 60.0, size=40)  # the machine's speed, shared by a round's steps
+  flax, base, variant = (t + spell + rng.normal(0.0, 4.0, size=40) for t in (1200.0, 1150.0, 1160.0))
+  estimate, low, high = bench_models.saves_interval(flax, variant, base)
+  assert low <= 0.8 <= high  # the truth: (1200 - 1160) / (1200 - 1150)
+  assert high - low < 0.4  # the +-60 ms spells would swamp the 50 ms norm time unpaired
+  assert low <= estimate <= high
+  assert bench_models.saves_interval(flax, variant, base) == (estimate, low, high)  # fixed seed
+  # Exact rounds: a point; too few rounds or no norm time: None.
+  assert bench_models.saves_interval([3, 3, 3], [1, 1, 1], [1, 1, 1]) == (1.0, 1.0, 1.0)
+  assert bench_models.saves_interval(flax[:2], variant[:2], base[:2]) is None
+  assert bench_models.saves_interval(flax, variant, flax + 1.0) is None
+  with pytest.raises(ValueError, match="rounds"):
+    bench_models.saves_interval(flax, variant[:-1], base)
 
 
 def test_bench_models_transformer_variants_lower_to_their_kernels():
