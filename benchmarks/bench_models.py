@@ -5,7 +5,7 @@ Run from the repository root after `pip install .` (flax; optax if installed):
     python benchmarks/bench_models.py                  # both models, 5 rounds
     python benchmarks/bench_models.py --quick          # tiny models, 1 round: a smoke run
     python benchmarks/bench_models.py --model unet --rounds 8 --iters 40
-    python benchmarks/bench_models.py --model transformer --rounds 40 --iters 80 \
+    python benchmarks/bench_models.py --model transformer --rounds 60 --iters 120 \
         --keep-freed-memory --profile-rounds 5   # no page faults; savings by op time too
 
 Two models, each built with flax.linen in several variants that differ only
@@ -46,8 +46,8 @@ of the machine moves all of a round's steps together). With
 ``--profile-rounds`` also by op time (:func:`measure_model`). With
 ``--keep-freed-memory``, :func:`jax_normgrad.keep_freed_memory` first:
 without it each step's fresh buffers page-fault, and on the 2-core VM a
-step's first op that touches them stalled for 25-50 ms in about one step
-of four, whichever variant's op that was. Writes a JSON
+step's first op that touches them stalled for 25-50 ms in 2 to 3 steps
+of 10, whichever variant's op that was. Writes a JSON
 file (``--out``) with the machine, versions and the load average.
 """
 
@@ -338,9 +338,9 @@ def saves_interval(flax_rounds, variant_rounds, base_rounds, level: float = 0.9,
   Each argument holds one median step time (ms) per round, for flax's
   layers, the variant and the norm-free baseline. The estimate is
   ``median_r(flax_r - variant_r) / median_r(flax_r - base_r)``: each
-  round's differences are taken between steps timed within seconds of
-  each other, so the machine's slow spells, which move every variant of a
-  round alike, cancel. The interval resamples the rounds (percentile
+  round's differences are taken between steps of the same round, so a
+  slow spell of the machine that lasts the round moves its variants alike
+  and cancels (one shorter than a round does not). The interval resamples the rounds (percentile
   bootstrap, ``draws`` resamples with a fixed seed: the same rounds give
   the same interval). Returns ``(estimate, low, high)``, or None with
   fewer than 3 rounds or a norm time whose median is not positive.
@@ -383,9 +383,10 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   ``<variant>_op_ms`` holds the medians of its summed op times (``ops``,
   ``matmul``, ``other``: ms per step), and ``<variant>_saves_by_op_time``
   the saved share computed from the ``other`` times, the passes besides
-  the dots and convolutions, where every norm's cost lies; the variants'
-  matmuls are the same ones, and on a 2-core machine their run-to-run
-  spread is larger than the whole norm time.
+  the dots and convolutions, where the norms' own work runs: the
+  variants' matmuls are the same ones (less the three the transformer's
+  identity drops), and on a 2-core machine their run-to-run spread is
+  larger than the whole norm time.
   """
   steps = {v: training_step(*s) for v, s in setups.items()}
   per_round = max(1, -(-iters // rounds))
