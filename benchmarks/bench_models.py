@@ -252,6 +252,8 @@ class PreNormStack(nn.Module):
 TRANSFORMER_VARIANTS = ("flax", "ours", "dropin", "identity", "affine")
 # The variants without this package's kernels: the reference and the two stand-ins for a free norm.
 BASELINES = ("flax", "identity", "affine")
+# The norm-free steps a saving is measured against, and its keys' suffix.
+SAVINGS_BASES = (("", "identity"), ("_vs_affine", "affine"))
 
 
 def transformer_setup(variant: str, norm: str = "layer", size: str = "default"):
@@ -426,17 +428,16 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
       row[f"{v}_saves"] = (flax_ms - row[f"{v}_ms"]) / row["norm_ms"] if row["norm_ms"] > 0 else None
       if row.get("norm_ms_affine", 0) > 0:
         row[f"{v}_saves_vs_affine"] = (flax_ms - row[f"{v}_ms"]) / row["norm_ms_affine"]
-      if profile_rounds:
-        for suffix, base in (("", "identity"), ("_vs_affine", "affine")):
-          if base in steps:
-            other = {b: row[f"{b}_op_ms"]["other"] for b in ("flax", v, base)}
-            norm_other = other["flax"] - other[base]
-            row[f"{v}_saves_by_op_time{suffix}"] = ((other["flax"] - other[v]) / norm_other
-                                                    if norm_other > 0 else None)
-      for suffix, base in (("", "identity"), ("_vs_affine", "affine")):
-        if base in steps:
-          paired = saves_interval(round_medians["flax"], round_medians[v], round_medians[base])
-          row[f"{v}_saves{suffix}_paired"] = list(paired) if paired else None
+      for suffix, base in SAVINGS_BASES:
+        if base not in steps:
+          continue
+        paired = saves_interval(round_medians["flax"], round_medians[v], round_medians[base])
+        row[f"{v}_saves{suffix}_paired"] = list(paired) if paired else None
+        if profile_rounds:
+          other = {b: row[f"{b}_op_ms"]["other"] for b in ("flax", v, base)}
+          norm_other = other["flax"] - other[base]
+          row[f"{v}_saves_by_op_time{suffix}"] = ((other["flax"] - other[v]) / norm_other
+                                                  if norm_other > 0 else None)
   return row
 
 
@@ -449,7 +450,7 @@ def print_row(row: dict):
              if saves is not None else "")
     if f"{v}_saves_vs_affine" in row:
       extra += f" ({100 * row[f'{v}_saves_vs_affine']:.1f}% against affine)"
-    for suffix, base in (("", "identity"), ("_vs_affine", "affine")):
+    for suffix, base in SAVINGS_BASES:
       paired = row.get(f"{v}_saves{suffix}_paired")
       if paired:
         extra += (f"\n{'':12s}by round pairs against {base}: {100 * paired[0]:.1f}%, "
