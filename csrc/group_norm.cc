@@ -20,9 +20,13 @@
 // writes y = act(z), z = xhat gamma[c] + beta[c], and the backward reads the
 // cotangent of act(z) and uses dz = dy act'(z) in place of dy above, with z
 // recomputed from x, the statistics, gamma and beta, so z is never stored.
+// With a float32 x the backward's first pass keeps dz in dx for its second
+// (act' once per element); a 16-bit dx cannot hold it, so there the second
+// pass computes it again.
 // The kernels take the activation as a template argument: without one they
 // compile to exactly the plain loops.
 #include <cmath>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -71,17 +75,16 @@ void ForEachHwChunk(ffi::ThreadPool* pool, const GnShape& s, int64_t P, int64_t 
 }
 
 // Channels-last column sums for samples [n_begin, n_end): out[n * width + k]
-// = sum over hw of the values that row_fn(n, hw, acc) adds into
-// acc[0..width); per chunk, then over chunks in order (deterministic, and
-// the same for any sample range).
+// = sum over hw of the values that chunk_fn(n, hb, he, acc) adds into
+// acc[0..width) (zeros) for pixels [hb, he), in pixel order; per chunk, then
+// over chunks in order (deterministic, and the same for any sample range).
 template <typename Fn>
 void ColumnSums(ffi::ThreadPool* pool, const GnShape& s, int64_t n_begin, int64_t n_end,
-                int64_t width, const Fn& row_fn, float* out) {
+                int64_t width, const Fn& chunk_fn, float* out) {
   const int64_t P = ChunksPerSample(s);
   std::vector<float> part(static_cast<size_t>((n_end - n_begin) * P * width), 0.f);
   ForEachHwChunk(pool, s, P, n_begin, n_end, [&](int64_t n, int64_t hb, int64_t he, int64_t u) {
-    float* acc = part.data() + (u - n_begin * P) * width;
-    for (int64_t hw = hb; hw < he; ++hw) row_fn(n, hw, acc);
+    chunk_fn(n, hb, he, part.data() + (u - n_begin * P) * width);
   });
   for (int64_t n = n_begin; n < n_end; ++n) {
     const float* pn = part.data() + (n - n_begin) * P * width;
@@ -159,6 +162,27 @@ void BwdCoefficients(const GnShape& s, const float* rstd, const float* gamma, co
   }
 }
 
+// The backward's first pass can keep dz = dy act'(z) in a float32 dx for
+// the second pass (kKeep: an activation and a float32 x): dx + offset there,
+// else (or without a dx) nullptr.
+template <bool kKeep, typename T>
+float* DzBuffer(T* dx, int64_t offset) {
+  if constexpr (kKeep) {
+    return dx ? dx + offset : nullptr;
+  } else {
+    return nullptr;
+  }
+}
+// The second pass's dz where the first kept it (kKeep), else dy.
+template <bool kKeep, typename Tag, typename T, typename Tdy>
+inline auto LdDzOrDy(Tag tag, const T* dz, const Tdy* dy) {
+  if constexpr (kKeep) {
+    return Ld(tag, dz);
+  } else {
+    return Ld(tag, dy);
+  }
+}
+
 template <int64_t A, typename T, typename Ty>
 void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
                       const float* b, float eps, Ty* y, float* mean, float* rstd, bool stream_y) {
@@ -229,12 +253,13 @@ struct Moments {
 };
 
 // Two per-channel sums over pixels [h0, h1) of a channels-last (HW, C)
-// array, for channels [c, c + NV * kVec) (NV vectors; NV = 0: channel c
-// alone): a[k] += t1, b[k] += t2 with term(tag, h, k) -> (t1, t2) the terms
-// of pixel h, channel k. The sums stay in registers across the pixels and
-// add in pixel order (deterministic). Prefetches pixel h + ahead's lines of
-// these channels (0: none) in `pre`.
-template <int NV, typename T, typename Term>
+// array, for channels [c, c + NV * lanes) (NV vectors of Tag's lanes;
+// NV = 0: channel c alone): a[k] += t1, b[k] += t2 with term(tag, h, k) ->
+// (t1, t2) the terms of pixel h, channel k. The sums stay in registers
+// across the pixels and add in pixel order (deterministic, and the same for
+// any vector width). Prefetches pixel h + ahead's lines of these channels
+// (0: none) in `pre`.
+template <int NV, typename Tag, typename T, typename Term>
 __attribute__((always_inline)) inline void ColumnPairSums(const T* pre, int64_t C, int64_t c,
                                                           int64_t h0, int64_t h1, int64_t ahead,
                                                           float* a, float* b, const Term& term) {
@@ -248,29 +273,31 @@ __attribute__((always_inline)) inline void ColumnPairSums(const T* pre, int64_t 
     a[c] = sa;
     b[c] = sb;
   } else {
-    VF sa[NV], sb[NV];
+    using V = decltype(Ld(Tag{}, a));
+    constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+    V sa[NV], sb[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
-      sa[v] = Ld(VecTag{}, a + c + v * kVec);
-      sb[v] = Ld(VecTag{}, b + c + v * kVec);
+      sa[v] = Ld(Tag{}, a + c + v * kLanes);
+      sb[v] = Ld(Tag{}, b + c + v * kLanes);
     }
     for (int64_t h = h0; h < h1; ++h) {
       if (ahead) {
         const T* p = pre + (h + ahead) * C + c;
-        for (int64_t o = 0; o < NV * kVec * static_cast<int64_t>(sizeof(T)); o += 64)
+        for (int64_t o = 0; o < NV * kLanes * static_cast<int64_t>(sizeof(T)); o += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(p) + o);
       }
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
-        const auto t = term(VecTag{}, h, c + v * kVec);
+        const auto t = term(Tag{}, h, c + v * kLanes);
         sa[v] += t.first;
         sb[v] += t.second;
       }
     }
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
-      St(VecTag{}, a + c + v * kVec, sa[v]);
-      St(VecTag{}, b + c + v * kVec, sb[v]);
+      St(Tag{}, a + c + v * kLanes, sa[v]);
+      St(Tag{}, b + c + v * kLanes, sb[v]);
     }
   }
 }
@@ -278,9 +305,9 @@ __attribute__((always_inline)) inline void ColumnPairSums(const T* pre, int64_t 
 // a[k] += sum of t1, b[k] += sum of t2 over pixels [hb, he), every channel
 // k of a channels-last (HW, C) array (see ColumnPairSums): in blocks of
 // pixels that fit in L1, each block swept by runs of 4 vectors of channels
-// (then single vectors, then single channels). Each run prefetches its
-// channels of the next block, in `pre` (x's rows). The order of the adds
-// depends on the shape alone.
+// (16-wide in the avx512bf16 build, then 8-wide), then single vectors, then
+// single channels. Each run prefetches its channels of the next block, in
+// `pre` (x's rows). The order of the adds depends on the shape alone.
 template <typename T, typename Term>
 __attribute__((always_inline)) inline void ChannelsLastPairSums(const T* pre, int64_t C,
                                                                 int64_t hb, int64_t he, float* a,
@@ -292,9 +319,17 @@ __attribute__((always_inline)) inline void ChannelsLastPairSums(const T* pre, in
     // Prefetch the next block while this one is swept from L1.
     const int64_t ahead = h1 + (h1 - h0) <= he ? block : 0;
     int64_t c = 0;
-    for (; c + 4 * kVec <= C; c += 4 * kVec) ColumnPairSums<4>(pre, C, c, h0, h1, ahead, a, b, term);
-    for (; c + kVec <= C; c += kVec) ColumnPairSums<1>(pre, C, c, h0, h1, ahead, a, b, term);
-    for (; c < C; ++c) ColumnPairSums<0>(pre, C, c, h0, h1, 0, a, b, term);
+#if defined(JNG_WIDE_VECTORS)
+    // The elementwise term (an activation's exp and divide in the backward)
+    // at twice the width: float32 8x16x16x128 backward with SiLU 337-348 us
+    // with 8-wide runs, 203-209 us with these (two processes each).
+    for (; c + 4 * kWideVec <= C; c += 4 * kWideVec)
+      ColumnPairSums<4, WideTagL<0>>(pre, C, c, h0, h1, ahead, a, b, term);
+#endif
+    for (; c + 4 * kVec <= C; c += 4 * kVec)
+      ColumnPairSums<4, VecTag>(pre, C, c, h0, h1, ahead, a, b, term);
+    for (; c + kVec <= C; c += kVec) ColumnPairSums<1, VecTag>(pre, C, c, h0, h1, ahead, a, b, term);
+    for (; c < C; ++c) ColumnPairSums<0, ScalarTag>(pre, C, c, h0, h1, 0, a, b, term);
   }
 }
 
@@ -411,6 +446,9 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
                       T* dx, float* db, float* ds, bool stream_dx) {
   const int64_t D = s.D(), blocks = s.N * s.G;
   const float inv_d = 1.0f / static_cast<float>(D);
+  // With an activation and a float32 dx, the first pass keeps dz in dx (see
+  // GroupNormBwdNHWC).
+  constexpr bool kKeepDz = A != kIdentity && std::is_same_v<T, float>;
   const int64_t tasks = NumTasks(blocks, CeilDiv(kMinElementsPerTask, std::max<int64_t>(D, 1)), kMaxTasks);
   ParallelFor(pool, tasks, [&](int64_t t) {
     for (int64_t bi = BlockBegin(blocks, tasks, t); bi < BlockBegin(blocks, tasks, t + 1); ++bi) {
@@ -424,11 +462,17 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         const T* xc = x + (n * s.C + c) * s.HW;
         const float gm = gn ? gn[c] : 1.f;
         const float za = rs * gm, zb = bn ? bn[c] : 0.f;  // z = (x - mean) za + zb
+        [[maybe_unused]] float* dzc = DzBuffer<kKeepDz>(dx, (n * s.C + c) * s.HW);
         Acc sd, sdx;
         ForRow(s.HW, [&](auto tag, int64_t j) {
           const auto xm = Ld(tag, xc + j) - mu;
           auto d = Ld(tag, dyc + j);
-          if constexpr (A != kIdentity) d = d * ActGrad<A>(xm * za + zb);
+          if constexpr (A != kIdentity) {
+            d = d * ActGrad<A>(xm * za + zb);
+            if constexpr (kKeepDz) {
+              if (dzc) St(tag, dzc + j, d);
+            }
+          }
           sd.Add(tag, d);
           sdx.Add(tag, d * xm);
         });
@@ -449,8 +493,8 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         const bool stream = StreamRow(stream_dx, dxc);
         ForRowWide(dxc, s.HW, [&](auto tag, int64_t j) {
           const auto xm = Ld(tag, xc + j) - mu;
-          auto d = Ld(tag, dyc + j);
-          if constexpr (A != kIdentity) d = d * ActGrad<A>(xm * a + zb);
+          auto d = LdDzOrDy<kKeepDz>(tag, dxc + j, dyc + j);
+          if constexpr (A != kIdentity && !kKeepDz) d = d * ActGrad<A>(xm * a + zb);
           StOut(tag, dxc + j, a * d - b - k * xm, stream);
         });
       }
@@ -472,24 +516,37 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
     zb_c.resize(nc);
     AffineCoefficients(s, rstd, gamma, beta, za_c.data(), zb_c.data());
   }
+  // With an activation and a float32 dx, the first pass keeps dz = dy act'(z)
+  // in dx, where the second pass reads it back: act' (an exp and a divide)
+  // once per element instead of twice, for the same values. A 16-bit dx
+  // cannot hold dz exactly, so there the second pass recomputes it.
+  constexpr bool kKeepDz = A != kIdentity && std::is_same_v<T, float>;
   // [db | ds] column sums of one sample side by side, in one pass over x, dy.
   std::vector<float> both(2 * nc);
   const int64_t P = ChunksPerSample(s);
   ForEachSampleBatch(s, 2 * s.HW * s.C * static_cast<int64_t>(sizeof(T)), [&](int64_t n0, int64_t n1) {
-    ColumnSums(pool, s, n0, n1, 2 * s.C, [&](int64_t n, int64_t hw, float* acc) {
-      const Tdy* dyr = dy + (n * s.HW + hw) * s.C;
-      const T* xr = x + (n * s.HW + hw) * s.C;
+    // Register-blocked (ChannelsLastPairSums): with the sums kept in memory
+    // across pixels, each pixel's adds waited on the last pixel's stores
+    // (8x32x32x64: this pass took 2/3 of the call).
+    ColumnSums(pool, s, n0, n1, 2 * s.C, [&](int64_t n, int64_t hb, int64_t he, float* acc) {
+      const Tdy* dyn = dy + n * s.HW * s.C;
+      const T* xn = x + n * s.HW * s.C;
       const float* mu = mu_c.data() + n * s.C;
       [[maybe_unused]] const float* za = A != kIdentity ? za_c.data() + n * s.C : nullptr;
       [[maybe_unused]] const float* zb = A != kIdentity ? zb_c.data() + n * s.C : nullptr;
-      float* adb = acc;
-      float* ads = acc + s.C;
-      ForRowWide(adb, s.C, [&](auto tag, int64_t c) {
-        const auto xm = Ld(tag, xr + c) - Ld(tag, mu + c);
-        auto d = Ld(tag, dyr + c);
-        if constexpr (A != kIdentity) d = d * ActGrad<A>(xm * Ld(tag, za + c) + Ld(tag, zb + c));
-        St(tag, adb + c, Ld(tag, adb + c) + d);
-        St(tag, ads + c, Ld(tag, ads + c) + d * xm);
+      [[maybe_unused]] float* dzn = DzBuffer<kKeepDz>(dx, n * s.HW * s.C);
+      const int64_t C = s.C;  // a local: the stores to dz made GCC reload s.C every vector
+      ChannelsLastPairSums(xn, C, hb, he, acc, acc + C, [&](auto tag, int64_t h, int64_t c) {
+        const int64_t i = h * C + c;
+        const auto xm = Ld(tag, xn + i) - Ld(tag, mu + c);
+        auto d = Ld(tag, dyn + i);
+        if constexpr (A != kIdentity) {
+          d = d * ActGrad<A>(xm * Ld(tag, za + c) + Ld(tag, zb + c));
+          if constexpr (kKeepDz) {
+            if (dzn) St(tag, dzn + i, d);
+          }
+        }
+        return std::make_pair(d, d * xm);
       });
     }, both.data());
     for (int64_t n = n0; n < n1; ++n) {
@@ -518,8 +575,9 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         const bool stream = StreamRow(stream_dx, dxr);
         ForRowWide(dxr, s.C, [&](auto tag, int64_t c) {
           const auto xm = Ld(tag, xr + c) - Ld(tag, mu + c);
-          auto d = Ld(tag, dyr + c);
-          if constexpr (A != kIdentity) d = d * ActGrad<A>(xm * Ld(tag, za + c) + Ld(tag, zb + c));
+          auto d = LdDzOrDy<kKeepDz>(tag, dxr + c, dyr + c);
+          if constexpr (A != kIdentity && !kKeepDz)
+            d = d * ActGrad<A>(xm * Ld(tag, za + c) + Ld(tag, zb + c));
           StOut(tag, dxr + c, Ld(tag, a + c) * d - Ld(tag, b + c) - Ld(tag, k + c) * xm, stream);
         });
       }

@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_normgrad as jn
 import cases
@@ -133,7 +134,7 @@ class GroupNormOpTests:
       assert kernel_launches(text, "jax_normgrad_group_norm_bwd") > 0
       assert f"{jnp.dtype(half_dtype).name}>) -> tensor<{'x'.join(map(str, shape))}xf32>" not in text
 
-  def test_activation(self, rng, activation, act_dtype, with_params, act_layout):
+  def test_activation(self, rng, activation, act_dtype, with_params, act_layout, act_shape=None):
     """group_norm(activation=...): y = act(z) and the gradients through it, against float64.
 
     z = group_norm(x) is never an output: the reference chains act'(z) into
@@ -141,7 +142,7 @@ class GroupNormOpTests:
     multiple of a vector) and parameters that push z across 0.
     """
     channels_last = act_layout
-    n, c, spatial, group = self.activation_shape
+    n, c, spatial, group = act_shape or self.activation_shape
     hw = math.prod(spatial)
     shape = (n,) + spatial + (c,) if channels_last else (n, c) + spatial
     x, dy, w, b = _inputs(rng, shape, c, act_dtype, param_dtype=jnp.float32,
@@ -168,6 +169,17 @@ class GroupNormOpTests:
       text = jax.jit(lambda *a: jax.vjp(layer, *a)[1](dy)).lower(x, w, b).as_text()
       assert kernel_launches(text, "jax_normgrad_group_norm_bwd") > 0
       assert "exponential" not in text and "logistic" not in text and "maximum" not in text
+
+  def test_activation_wide_rows(self, rng, channels_last):
+    """SiLU through the CPU kernels' vector paths, float32 (whose backward keeps dz in dx).
+
+    Channels-last 72 channels: the backward's sums run 64 channels as 16-wide
+    vectors (avx512bf16 build), then 8-wide; NCHW rows of 105 elements.
+    """
+    if self.implementation is not None:
+      pytest.skip("the CPU kernels' vector paths")
+    self.test_activation(rng, "silu", jnp.float32, True, channels_last,
+                         act_shape=(2, 72, (7, 15), 8))
 
   def test_large_group_size(self, rng):
     # C/group far above the vendor's 8000 limit.
