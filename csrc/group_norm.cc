@@ -173,6 +173,15 @@ float* DzBuffer(T* dx, int64_t offset) {
     return nullptr;
   }
 }
+// fn(std::true_type{}) where the first pass kept dz (keep; only possible
+// where kMayKeep), else fn(std::false_type{}): the second pass compiled for each.
+template <bool kMayKeep, typename Fn>
+void WithKeptDz(bool keep, const Fn& fn) {
+  if constexpr (kMayKeep) {
+    if (keep) return fn(std::true_type{});
+  }
+  fn(std::false_type{});
+}
 // The second pass's dz where the first kept it (kKeep), else dy.
 template <bool kKeep, typename Tag, typename T, typename Tdy>
 inline auto LdDzOrDy(Tag tag, const T* dz, const Tdy* dy) {
@@ -492,7 +501,7 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         T* dxc = dx + (n * s.C + c) * s.HW;
         const float a = rs * (gn ? gn[c] : 1.f), zb = bn ? bn[c] : 0.f;
         const bool stream = StreamRow(stream_dx, dxc);
-        auto row = [&](auto kept) {
+        WithKeptDz<kKeepDz>(keep_dz, [&](auto kept) {
           constexpr bool kKept = decltype(kept)::value;
           ForRowWide(dxc, s.HW, [&](auto tag, int64_t j) {
             const auto xm = Ld(tag, xc + j) - mu;
@@ -500,12 +509,7 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
             if constexpr (A != kIdentity && !kKept) d = d * ActGrad<A>(xm * a + zb);
             StOut(tag, dxc + j, a * d - b - k * xm, stream);
           });
-        };
-        if (keep_dz) {
-          if constexpr (kKeepDz) row(std::true_type{});
-        } else {
-          row(std::false_type{});
-        }
+        });
       }
     }
   });
@@ -581,7 +585,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
       const float* a = co.data() + 3 * (n - n0) * s.C;
       const float* b = a + s.C;
       const float* k = b + s.C;
-      auto rows = [&](auto kept) {
+      WithKeptDz<kKeepDz>(keep_dz, [&](auto kept) {
         constexpr bool kKept = decltype(kept)::value;
         for (int64_t hw = hb; hw < he; ++hw) {
           const Tdy* dyr = dy + (n * s.HW + hw) * s.C;
@@ -596,12 +600,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
             StOut(tag, dxr + c, Ld(tag, a + c) * d - Ld(tag, b + c) - Ld(tag, k + c) * xm, stream);
           });
         }
-      };
-      if (keep_dz) {
-        if constexpr (kKeepDz) rows(std::true_type{});
-      } else {
-        rows(std::false_type{});
-      }
+      });
     });
   });
 }
