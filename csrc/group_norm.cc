@@ -163,12 +163,12 @@ void BwdCoefficients(const GnShape& s, const float* rstd, const float* gamma, co
 }
 
 // The backward's first pass can keep dz = dy act'(z) in a float32 dx for
-// the second pass (kKeep: an activation and a float32 x): dx + offset there,
-// else (or without a dx) nullptr.
-template <bool kKeep, typename T>
-float* DzBuffer(T* dx, int64_t offset) {
-  if constexpr (kKeep) {
-    return dx ? dx + offset : nullptr;
+// the second pass: dx + offset where it does (keep; only possible where
+// kMayKeep: an activation and a float32 x), else (or without a dx) nullptr.
+template <bool kMayKeep, typename T>
+float* DzBuffer(bool keep, T* dx, int64_t offset) {
+  if constexpr (kMayKeep) {
+    return keep && dx ? dx + offset : nullptr;
   } else {
     return nullptr;
   }
@@ -472,7 +472,7 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
         const T* xc = x + (n * s.C + c) * s.HW;
         const float gm = gn ? gn[c] : 1.f;
         const float za = rs * gm, zb = bn ? bn[c] : 0.f;  // z = (x - mean) za + zb
-        [[maybe_unused]] float* dzc = keep_dz ? DzBuffer<kKeepDz>(dx, (n * s.C + c) * s.HW) : nullptr;
+        [[maybe_unused]] float* dzc = DzBuffer<kKeepDz>(keep_dz, dx, (n * s.C + c) * s.HW);
         Acc sd, sdx;
         ForRow(s.HW, [&](auto tag, int64_t j) {
           const auto xm = Ld(tag, xc + j) - mu;
@@ -551,7 +551,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
       const float* mu = mu_c.data() + n * s.C;
       [[maybe_unused]] const float* za = A != kIdentity ? za_c.data() + n * s.C : nullptr;
       [[maybe_unused]] const float* zb = A != kIdentity ? zb_c.data() + n * s.C : nullptr;
-      [[maybe_unused]] float* dzn = keep_dz ? DzBuffer<kKeepDz>(dx, n * s.HW * s.C) : nullptr;
+      [[maybe_unused]] float* dzn = DzBuffer<kKeepDz>(keep_dz, dx, n * s.HW * s.C);
       const int64_t C = s.C;  // a local: the stores to dz made GCC reload s.C every vector
       ChannelsLastPairSums(xn, C, hb, he, acc, acc + C, [&](auto tag, int64_t h, int64_t c) {
         const int64_t i = h * C + c;
