@@ -16,8 +16,12 @@
 #                  ("selfcheck-mosaic": the second only)
 #   bench          benchmarks/bench_gpu.py, every row (Triton)
 #   residual       benchmarks/bench_gpu.py --residual
-#   mosaic-bench   bench_gpu.py --only ln with --gpu-backend mosaic_gpu, then with Triton
-#   sweep          benchmarks/gpu_sweep.py (tile heuristics; SWEEP_CONFIGS: its --configs)
+#   mosaic-bench   bench_gpu.py --only ln (MOSAIC_ONLY: another --only) with --gpu-backend
+#                  mosaic_gpu, then with Triton
+#   sweep          benchmarks/gpu_sweep.py (tile heuristics; SWEEP_CONFIGS: its --configs,
+#                  SWEEP_ROWS: its --rows, e.g. "add_ln 16384x4096 bfloat16,...")
+#   mosaic-probe   benchmarks/gpu_mosaic_probe.py: the Mosaic GPU kernels' lower / compile / first
+#                  call / steady time per phase, Triton's beside them (a stack dump if one hangs)
 #   trace          benchmarks/gpu_trace.py (kernel durations per call, compiled modules)
 #   tests          the op suites on the GPU (pytest-xdist), installed package, cut at the deadline
 #   mosaic-tests   the op suites' Default classes with JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu
@@ -88,23 +92,27 @@ for stage in $stages; do
     mosaic-bench)
       # The LayerNorm rows with each backend, the Triton ones second (the baseline of this run).
       PYTHONPATH=$(srcpath) timeout "$(cap 80 70)" python3 benchmarks/bench_gpu.py --gpu-backend \
-        mosaic_gpu --only ln --rounds 3 --iters 30 --out "$OUT/bench_mosaic.json" \
+        mosaic_gpu --only "${MOSAIC_ONLY:-ln}" --rounds 3 --iters 30 --out "$OUT/bench_mosaic.json" \
         >>"$OUT/bench.log" 2>&1
       echo "bench mosaic rc=$? at $((SECONDS - start)) s" >>"$OUT/bench.log"
-      PYTHONPATH=$(srcpath) timeout "$(cap 80)" python3 benchmarks/bench_gpu.py --only ln --rounds 3 \
+      PYTHONPATH=$(srcpath) timeout "$(cap 80)" python3 benchmarks/bench_gpu.py --only "${MOSAIC_ONLY:-ln}" --rounds 3 \
         --iters 30 --out "$OUT/bench_triton_ln.json" >>"$OUT/bench.log" 2>&1
       echo "bench triton (ln rows) rc=$? at $((SECONDS - start)) s" >>"$OUT/bench.log" ;;
     sweep)
       PYTHONPATH=$(srcpath) timeout "$(cap 240)" python3 benchmarks/gpu_sweep.py --out "$OUT/sweep.json" \
         --configs "${SWEEP_CONFIGS:-default,partials_old,partials_stages3,pipeline_all,fwd_bpt32,bwd_bpt32,bwd_warps64}" \
-        >"$OUT/sweep.log" 2>&1
+        --rows "${SWEEP_ROWS:-}" >"$OUT/sweep.log" 2>&1
       echo "sweep rc=$? at $((SECONDS - start)) s" >>"$OUT/sweep.log" ;;
+    mosaic-probe)
+      PYTHONUNBUFFERED=1 PYTHONPATH=$(srcpath) timeout "$(cap 120)" python3 \
+        benchmarks/gpu_mosaic_probe.py >"$OUT/mosaic_probe.log" 2>&1
+      echo "mosaic probe rc=$? at $((SECONDS - start)) s" >>"$OUT/mosaic_probe.log" ;;
     trace)
       PYTHONPATH=$(srcpath) timeout "$(cap 120)" python3 benchmarks/gpu_trace.py --out "$OUT/trace" \
         >"$OUT/trace.log" 2>&1
       echo "trace rc=$? at $((SECONDS - start)) s" >>"$OUT/trace.log" ;;
     tests)
-      pytest_run pytest.log "$(cap 150 20)" -- --junitxml="$OUT/junit.xml" $OP_SUITES \
+      pytest_run pytest.log "$(cap 180 20)" -- --junitxml="$OUT/junit.xml" $OP_SUITES \
         tests/test_layers.py tests/test_nonfinite.py tests/test_pallas.py \
         tests/test_dropin_flax.py tests/test_dropin_equinox.py tests/test_validation.py \
         tests/test_validation_family.py tests/test_properties.py tests/test_streaming.py \
@@ -127,6 +135,7 @@ grep -E "^\||rc=|Error|error" "$OUT/bench.log" 2>/dev/null | grep -v "^| ---" | 
 grep -E "fused|rc=" "$OUT/bench.log" 2>/dev/null | head -12
 grep -E "^\||rc=|rror" "$OUT/sweep.log" 2>/dev/null | grep -v "^| ---" | head -12
 grep -E "^==|rc=|rror" "$OUT/trace.log" 2>/dev/null | head -14
+grep -E " fwd: | bwd: |rc=|rror|^Thread|^  File" "$OUT/mosaic_probe.log" 2>/dev/null | head -24
 for log in pytest.log pytest_mosaic.log; do
   [ -f "$OUT/$log" ] || continue
   echo "== $log"; grep -E "^(FAILED|ERROR)" "$OUT/$log" | cut -c1-150 | head -25; tail -2 "$OUT/$log"

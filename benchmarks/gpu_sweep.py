@@ -71,9 +71,10 @@ CONFIGS = {
     "fwd_warps64": {"gpu_warps_per_sm_fwd": 64},
     "fwd_one_row": {"gpu_warps_per_sm_fwd": 1 << 14},  # a program per row, or nearly
     "bwd_warps64": {"gpu_warps_per_sm": 64},
-    # The residual form's forward at the plain forward's 32 bytes per thread (float32: 8
-    # elements, as the candidate rule of docs/development.md; 16-bit: 16).
-    "res_fwd_bpt32": {"gpu_fwd_residual_bytes_per_thread": 32},
+    # The residual form's forward at 4 elements per thread (the float32 rule until
+    # 2026-11-26, 16 bytes) and at 16 (the 16-bit form at the plain forward's 32 bytes).
+    "res_fwd_e4": {"gpu_fwd_residual_elems_per_thread": 4},
+    "res_fwd_e16": {"gpu_fwd_residual_elems_per_thread": 16},
 }
 
 

@@ -283,6 +283,18 @@ def test_op_names_tells_matmul_fusions_by_their_whole_name():
   assert "ew" not in matmuls and "cc" not in matmuls
 
 
+def test_gpu_mosaic_probe_runs(capsys):
+  """The per-phase probe prints a line per phase of each implementation, and a failing one (no
+  Mosaic GPU on this machine, or an unknown name) is reported and skipped, not raised."""
+  probe = _load_script("gpu_mosaic_probe.py")
+  assert probe.main(["--shapes", "8x128", "--dtype", "float32", "--impls", "xla,nosuch",
+                     "--calls", "2"]) == 0
+  text = capsys.readouterr().out
+  assert "xla LayerNorm 8x128 float32 fwd: lower" in text
+  assert "xla LayerNorm 8x128 float32 bwd: lower" in text and "ms/call" in text
+  assert "nosuch 8x128: ValueError" in text
+
+
 def test_gpu_trace_smoke_run(tmp_path):
   """The kernel-time trace: every function's compiled module written and its events summed
   (on CPU the host runtime's, matched to the module's instruction names)."""

@@ -275,8 +275,9 @@ def test_sum_partials_tiles(rng, cols, tile, w, p, c):
     # forward: 32 bytes of each input per thread (2026-11-26 sweep, BENCHMARKS.md)
     ((1, 1024), 2, "fwd", 2), ((1, 1024), 4, "fwd", 4), ((1, 4096), 4, "fwd", 16),
     ((1, 16384), 4, "fwd", 32),
-    # the residual form's forward: 16 bytes (its bfloat16 LayerNorm tile took 72 registers at 32)
-    ((1, 1024), 2, "residual", 4), ((1, 4096), 4, "residual", 32),
+    # the residual form's forward: 8 elements per thread in every dtype (16 bfloat16 elements took
+    # 72 registers; 4 float32 ran the tile of 4096 at 32 warps, 1.35x slower on an H200)
+    ((1, 1024), 2, "residual", 4), ((1, 1024), 4, "residual", 4), ((1, 4096), 4, "residual", 16),
     # backward: 16 bytes, at most 16 warps while 8 elements per thread suffice
     ((1, 1024), 2, "bwd", 4), ((1, 4096), 2, "bwd", 16), ((1, 4096), 4, "bwd", 16),
     ((1, 8192), 4, "bwd", 32), ((1, 16384), 2, "bwd", 32), ((64, 64), 4, "bwd", 16),

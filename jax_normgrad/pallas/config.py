@@ -81,10 +81,14 @@ class Tuning:
   #: where 16 gave a 32-warp program: ``gpu_max_warps_bwd``.
   gpu_fwd_bytes_per_thread: int = 32
   gpu_bwd_bytes_per_thread: int = 16
-  #: The residual form's forward (x, the residual and h live per element): at 32,
-  #: add_layer_norm's bfloat16 tile of 1024 took 72 registers, too many for the
-  #: 16 programs per SM planned (docs/gpu-resources.md); it stays at 16.
-  gpu_fwd_residual_bytes_per_thread: int = 16
+  #: The residual form's forward counts elements, not bytes (x, the residual and
+  #: h live per element): 8 per thread. 16 bfloat16 elements (32 bytes) took 72
+  #: registers at add_layer_norm's tile of 1024, too many for the 16 programs per
+  #: SM planned (docs/gpu-resources.md); 4 float32 elements (16 bytes, until
+  #: 2026-11-26) ran the float32 tile of 4096 as one 32-warp program: on an H200
+  #: (gpu_sweep.py, res_fwd_e4 against 8) add_rms_norm 16384x4096 float32's
+  #: forward took 0.464 ms against 0.339, 32768x1024 0.172 against 0.167.
+  gpu_fwd_residual_elems_per_thread: int = 8
   #: Most warps of a backward program whose tile fits 8 elements per thread at that
   #: count; a larger tile takes the warps 8 per thread need (to ``gpu_max_warps``).
   #: Of the tiles planned, this moves the float32 4096-element tile from one
@@ -190,9 +194,9 @@ def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool,
              residual: bool = False) -> GpuPlan:
   """Tiles a segment: the whole of it if it fits, else halving the longer tile side.
 
-  ``num_warps`` gives each thread ``gpu_fwd_bytes_per_thread`` (forward;
-  ``gpu_fwd_residual_bytes_per_thread`` with a ``residual``) or
-  ``gpu_bwd_bytes_per_thread`` bytes of every input per tile, 1 to
+  ``num_warps`` gives each thread ``gpu_fwd_bytes_per_thread`` (forward) or
+  ``gpu_bwd_bytes_per_thread`` bytes of every input per tile (the residual
+  form's forward: ``gpu_fwd_residual_elems_per_thread`` elements), 1 to
   ``gpu_max_warps`` warps; a backward program has at most ``gpu_max_warps_bwd``
   unless its tile needs more for 8 elements per thread.
   """
@@ -205,9 +209,9 @@ def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool,
     else:
       tb //= 2
   elems = ta * tb
-  per_thread = max((t.gpu_bwd_bytes_per_thread if backward else
-                    t.gpu_fwd_residual_bytes_per_thread if residual else
-                    t.gpu_fwd_bytes_per_thread) // itemsize, 1)
+  per_thread = (t.gpu_fwd_residual_elems_per_thread if residual and not backward else
+                max((t.gpu_bwd_bytes_per_thread if backward else t.gpu_fwd_bytes_per_thread)
+                    // itemsize, 1))
   num_warps = min(max(elems // (32 * per_thread), 1), t.gpu_max_warps)
   if backward:
     num_warps = min(max(min(num_warps, t.gpu_max_warps_bwd), elems // (32 * 8)), t.gpu_max_warps)
