@@ -48,7 +48,8 @@ ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
         # Issue 27's rows behind (H200, 2026-11-26): the residual form's forward and its
         # forward + backward (add_*; "+f32" a float32 residual stream).
         ("add_ln", (16384, 4096), jnp.bfloat16), ("add_rms", (16384, 4096), jnp.float32),
-        ("add_rms", (32768, 1024), jnp.float32), ("add_rms+f32", (16384, 4096), jnp.bfloat16)]
+        ("add_rms", (32768, 1024), jnp.float32), ("add_rms+f32", (16384, 4096), jnp.bfloat16),
+        ("add_ln", (16384, 4096), jnp.float32)]
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32),
               ("add_rms+f32", (24, 40), jnp.bfloat16)]
 #: name -> config.Tuning changes. "default" is the package's own.
@@ -75,6 +76,8 @@ CONFIGS = {
     # 2026-11-26, 16 bytes) and at 16 (the 16-bit form at the plain forward's 32 bytes).
     "res_fwd_e4": {"gpu_fwd_residual_elems_per_thread": 4},
     "res_fwd_e16": {"gpu_fwd_residual_elems_per_thread": 16},
+    # The residual form's backward loading dh with x and dy (config.gpu_bwd_early_dh).
+    "bwd_early_dh": {"gpu_bwd_early_dh": True},
 }
 
 

@@ -198,8 +198,14 @@ def _residual_cases():
       return jnp.sum(y.astype(F32) ** 2) + jnp.sum(jnp.sin(h.astype(F32)))
     return jax.grad(loss, argnums=tuple(range(2 + (fn is jn.add_layer_norm) * 2)))
 
+  x32_long, p_long = _s((16384, 4096)), _s((4096,))
   return [
       Case("grad(add_layer_norm) 8192x1024 float32", grad(jn.add_layer_norm), (x32, x32, p, p), 2),
+      # Rows enough for two backward programs per SM: with dh, weight and bias its float32
+      # tile of 4096 took 86 registers (one program resident) until the partials were summed
+      # before dx (2026-11-26).
+      Case("grad(add_layer_norm) 16384x4096 float32", grad(jn.add_layer_norm),
+           (x32_long, x32_long, p_long, p_long), 2),
       Case("grad(add_layer_norm) 8192x1024 bfloat16", grad(jn.add_layer_norm), (xbf, xbf, p, p), 2),
       Case("grad(add_rms_norm) 8192x1024 bfloat16, residual_dtype=float32",
            grad(lambda x, r: jn.add_rms_norm(x, r, residual_dtype=F32)), (xbf, x32), 2),

@@ -95,6 +95,15 @@ class Tuning:
   #: 32-warp program per SM to two of 16: 1.49x faster on an H200 (RMSNorm
   #: 16384x4096 float32 backward, 0.351 -> 0.235 ms).
   gpu_max_warps_bwd: int = 16
+  #: The residual form's backward loads h's cotangent dh with x and dy, before
+  #: the row's sums, instead of after them (where its load waits a memory
+  #: round trip of its own). Off, unmeasured: an H200 trace (2026-11-26) of
+  #: add_layer_norm 16384x4096 bfloat16 gave its backward kernel 247 us where
+  #: the plain backward took 129 for 3/4 of the bytes; with 8 bfloat16
+  #: elements per thread the late dh load has 16 KiB a SM in flight, less
+  #: than the bandwidth-latency product. Float32 rows ran at the plain rate.
+  #: gpu_sweep.py's "bwd_early_dh" measures it.
+  gpu_bwd_early_dh: bool = False
   #: Most warps of one GPU program: 32 (1024 threads, Triton's and CUDA's
   #: limit). Capped at 16 (until 2026-11-25), the largest tiles (8192
   #: backward, 16384 forward) held 16-32 elements per thread and compiled to
