@@ -23,8 +23,10 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_normgrad as jn
+from jax_normgrad import _bench
 
 
 def _phases(name: str, fn, args, calls: int) -> None:
@@ -35,12 +37,10 @@ def _phases(name: str, fn, args, calls: int) -> None:
   t2 = time.perf_counter()
   jax.block_until_ready(compiled(*args))
   t3 = time.perf_counter()
-  for _ in range(calls):
-    out = compiled(*args)
-  jax.block_until_ready(out)
-  t4 = time.perf_counter()
+  # Samples of calls issued back to back for about 2 ms (the GPU benchmarks' method).
+  steady = np.median(_bench.call_times_ms(compiled, *args, warmup=1, iters=calls, batch_ms=2.0))
   print(f"{name}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s, first call {t3 - t2:.3f} s, "
-        f"steady {(t4 - t3) / calls * 1e3:.3f} ms/call ({calls} calls)", flush=True)
+        f"steady {steady:.3f} ms/call (median of {calls} samples)", flush=True)
 
 
 def probe(rows: int, hidden: int, dtype, impl: str, calls: int) -> None:
