@@ -381,3 +381,62 @@ class TestLayerNormMosaicGpu(LayerNormOpTests):
     # once, centered, is enough for the interpreted kernels.
     cases.narrow(request, "interpreted Mosaic GPU: the float32 result once, centered",
                  centered=[True])
+
+
+def _moments_rows(rng, rows, h, offset):
+  """Rows whose statistics test the forward's moments (csrc/moments.h RowMoments): a mean that
+  dwarfs the spread (the one-pass shifted sums must not cancel), a first element 1000 standard
+  deviations off (the one-pass form would lose most bits there: the second pass must take
+  over), a constant row (variance 0) and, for float32, values whose squared distance from the
+  first element overflows float32 while the two-pass sum of squares does not."""
+  base = rng.normal(offset, 1.0, size=(rows, h))
+  outlier = base.copy()
+  outlier[:, 0] = offset + 1000.0
+  const = np.full((rows, h), offset)
+  huge = np.zeros((rows, h))
+  huge[:, 0], huge[:, 1] = 1.2e19, -1.2e19
+  return {"offset": base, "outlier": outlier, "constant": const, "huge": huge}
+
+
+@pytest.mark.parametrize("h", [512, 40_007])  # rows in cache; long rows by L1 chunks
+def test_moments_one_pass_where_exact_else_two(rng, h):
+  """The forward's mean and rstd stay within float32 accumulation error of the float64 ones on
+  rows where one-pass moments cancel, in every op that shares them (LayerNorm, its residual
+  form, GroupNorm's channels-first blocks); the kernels switch to two passes there."""
+  rows, tight = 3, 2e-6 * math.sqrt(h)
+  for kind, x in _moments_rows(rng, rows, h, 1e4).items():
+    if h > 512 and kind != "huge":  # also at a chunk's start (moments.h kMomentsChunk = 2048)
+      x[:, 2048] = x[:, 0]
+    x32 = jnp.asarray(x.astype(np.float32))
+    y, mean, rstd = jn.layer_norm_fwd(x32, (h,), None, None)
+    y_ref, mean_ref, rstd_ref = ref.ln_fwd(x32, 1, None, None, 1e-5)
+    np.testing.assert_allclose(np.asarray(rstd).reshape(rows), rstd_ref.reshape(rows), rtol=tight, err_msg=kind)
+    np.testing.assert_allclose(np.asarray(mean).reshape(rows), mean_ref.reshape(rows), rtol=tight, err_msg=kind)
+    y_scale = ref.fwd_scales(x32, rstd_ref)[0]  # x - mean keeps the float32 mean's rounding
+    np.testing.assert_allclose(np.asarray(y), y_ref, rtol=0, atol=tight * y_scale, err_msg=kind)
+    if kind == "constant":
+      np.testing.assert_array_equal(np.asarray(mean).reshape(rows), x[:, 0].astype(np.float32))
+      np.testing.assert_array_equal(np.asarray(y), 0.0)
+    # The residual form: the moments of the float32 sum x + residual, summed as they are read.
+    r = rng.normal(0.0, 1.0, size=x.shape).astype(np.float32)
+    xr = (x32 - r) if kind != "huge" else x32
+    r = r if kind != "huge" else np.zeros_like(r)
+    h32 = np.asarray(xr) + r  # the kernel's float32 sum
+    y_add, h_add = jn.add_layer_norm(xr, jnp.asarray(r))
+    np.testing.assert_array_equal(np.asarray(h_add), h32)
+    ya_ref, _, ra_ref = ref.ln_fwd(h32, 1, None, None, 1e-5)
+    np.testing.assert_allclose(np.asarray(y_add), ya_ref, rtol=0,
+                               atol=tight * ref.fwd_scales(h32, ra_ref)[0], err_msg=kind)
+    if kind != "constant":  # its rstd: y's slope against h, free of the mean's rounding
+      hc = h32 - h32.mean(axis=1, keepdims=True, dtype=np.float64)
+      slope = (np.asarray(y_add, np.float64) * hc).sum(axis=1) / (hc * hc).sum(axis=1)
+      np.testing.assert_allclose(slope, ra_ref.reshape(rows), rtol=tight, err_msg=kind)
+    if kind == "huge" or h > 512:
+      continue
+    # GroupNorm, channels first: each (n, group) block is a row of x's memory.
+    gx = x32.reshape(rows, 4, h // 4)
+    gy, gmean, grstd = jn.group_norm_fwd(gx, None, None, rows, 4, h // 4, 1, 1e-5)
+    np.testing.assert_allclose(np.asarray(grstd).reshape(rows), rstd_ref.reshape(rows),
+                               rtol=tight, err_msg=kind)
+    np.testing.assert_allclose(np.asarray(gy).reshape(rows, h), y_ref, rtol=0,
+                               atol=tight * y_scale, err_msg=kind)
