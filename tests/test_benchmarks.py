@@ -308,3 +308,25 @@ def test_gpu_trace_smoke_run(tmp_path):
     assert sum(us for us, _ in table.values()) > 0, name
   # The fused form's custom calls are among the events (its norms are kernels).
   assert any(k.startswith(("ffi_call", "custom-call")) for k in kernels["stack_bf16_f32stream_fused"])
+
+
+def test_kernel_rows_harness_builds_and_runs(tmp_path):
+  """benchmarks/kernel_rows.cc (the forward row loops alone) compiles against csrc/ and runs each op."""
+  import os
+  import shutil
+  import subprocess
+  root = pathlib.Path(__file__).resolve().parent.parent
+  cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+  if cxx is None:
+    pytest.skip("no C++ compiler")
+  exe = tmp_path / "kernel_rows"
+  # The baseline ISA at -O1: any x86-64 CPU, a quick compile; the timings are not looked at.
+  subprocess.run([cxx, "-std=gnu++17", "-O1", "-Wno-psabi", "-DJNG_ISA=generic", "-pthread",
+                  "-isystem", jax.ffi.include_dir(), "-I", str(root / "csrc"),
+                  str(root / "benchmarks" / "kernel_rows.cc"), "-o", str(exe)],
+                 check=True, capture_output=True)
+  for op, threads in [("ln", 1), ("rms", 2), ("add_ln", 2), ("add_rms", 1)]:
+    out = subprocess.run([str(exe), op, "6", "37", str(threads), "3"], check=True,
+                         capture_output=True, text=True).stdout
+    assert f"({op} 6x37, {threads} thread" in out and len(out.split("us")[0].split()) == 5, out
+  assert subprocess.run([str(exe), "nope", "6", "37", "1"], capture_output=True).returncode == 2
