@@ -120,8 +120,9 @@ void AddLayerNormFwdRows(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* 
       const T* xc = x + i * H + c0;
       const Tr* rc = r + i * H + c0;
       float mu, q;
-      RowMomentsOf(len, centered, [&](auto tag, int64_t j) { return Ld(tag, xc + j) + Ld(tag, rc + j); },
-                   &mu, &q);
+      RowMomentsOf(
+          len, centered, [&](auto tag, int64_t j) { return Ld(tag, xc + j) + Ld(tag, rc + j); },
+          &mu, &q);
       m.Merge(len, mu, q);
     }
     const float rs = 1.0f / std::sqrt(m.m2 / static_cast<float>(H) + eps);
@@ -134,9 +135,9 @@ void AddLayerNormFwdRows(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* 
 
 // The forward of rows [row_begin, row_end) by column chunks. Phase 1: per
 // (row, chunk) a mean and M2 (the sum of squared deviations; RowMoments,
-// any second pass over the chunk in cache), merged per row in chunk order (Chan et al.):
-// the cancellation-free variance with one pass over memory. RMSNorm sums
-// x^2 instead. Phase 2: the output pass per (row, chunk).
+// any second pass over the chunk in cache), merged per row in chunk order
+// (Chan et al.): the cancellation-free variance with one pass over memory.
+// RMSNorm sums x^2 instead. Phase 2: the output pass per (row, chunk).
 template <typename T, typename Ty, typename Tp>
 void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const Tp* w, const Tp* b,
                          Ty* y, T* xhat_out, float* mean_out, float* rstd_out,

@@ -69,8 +69,8 @@ __attribute__((always_inline)) inline void TwoPassMomentsOf(int64_t n, bool cent
 // Which form a row takes depends on its values only, so results stay
 // deterministic, and the same 8-wide lanes on every ISA. The forward's
 // moments were two passes over each row from L1 beside its output pass;
-// one thread, LayerNorm forward rows of 512 float32 in L2 (a C++ harness
-// around LayerNormFwdRows, medians of 3000 calls): 84 -> 66 ns a row.
+// one thread, LayerNorm forward rows of 512 float32 in L2 (the row loop
+// alone, benchmarks/kernel_rows.cc, 64 rows): 84-90 -> 66 ns a row.
 // Where the L3 bounds the forward it gains less: 2048x512 on two threads
 // 127 -> 113 us while other tenants loaded the L3, 73 us both when not.
 template <typename Load>

@@ -402,7 +402,7 @@ def _moments_rows(rng, rows, h, offset):
 def test_moments_one_pass_where_exact_else_two(rng, h):
   """The forward's mean and rstd stay within float32 accumulation error of the float64 ones on
   rows where one-pass moments cancel, in every op that shares them (LayerNorm, its residual
-  form, GroupNorm's channels-first blocks); the kernels switch to two passes there."""
+  form, GroupNorm's channels-first blocks); the CPU kernels switch to two passes there."""
   rows, tight = 3, 2e-6 * math.sqrt(h)
   for kind, x in _moments_rows(rng, rows, h, 1e4).items():
     if h > 512 and kind != "huge":  # also at a chunk's start (moments.h kMomentsChunk = 2048)
@@ -410,8 +410,9 @@ def test_moments_one_pass_where_exact_else_two(rng, h):
     x32 = jnp.asarray(x.astype(np.float32))
     y, mean, rstd = jn.layer_norm_fwd(x32, (h,), None, None)
     y_ref, mean_ref, rstd_ref = ref.ln_fwd(x32, 1, None, None, 1e-5)
-    np.testing.assert_allclose(np.asarray(rstd).reshape(rows), rstd_ref.reshape(rows), rtol=tight, err_msg=kind)
-    np.testing.assert_allclose(np.asarray(mean).reshape(rows), mean_ref.reshape(rows), rtol=tight, err_msg=kind)
+    for got, expected in ((rstd, rstd_ref), (mean, mean_ref)):
+      np.testing.assert_allclose(np.asarray(got).reshape(rows), expected.reshape(rows), rtol=tight,
+                                 err_msg=kind)
     y_scale = ref.fwd_scales(x32, rstd_ref)[0]  # x - mean keeps the float32 mean's rounding
     np.testing.assert_allclose(np.asarray(y), y_ref, rtol=0, atol=tight * y_scale, err_msg=kind)
     if kind == "constant":
