@@ -27,7 +27,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,12 +44,11 @@ struct Aligned {
 };
 
 struct Problem {
-  std::string op;
+  bool centered, residual;  // of the op: ln (true, false), rms, add_ln, add_rms
   int64_t rows, h;
   float *x, *r, *hs, *y, *w, *b, *mean, *rstd;
   void Run(int64_t begin, int64_t end) const {
-    const bool centered = op == "ln" || op == "add_ln";
-    if (op == "ln" || op == "rms") {
+    if (!residual) {
       LayerNormFwdRows<float, float, float>(x, w, b, y, nullptr, mean, rstd, begin, end, h, 1e-5f,
                                             centered, false);
     } else {
@@ -83,7 +81,8 @@ int main(int argc, char** argv) {
     r.p[i] = std::cos(0.11f * static_cast<float>(i % 100003));
   }
   for (int64_t j = 0; j < h; ++j) w.p[j] = 1.f + 0.001f * static_cast<float>(j % 7), b.p[j] = 0.f;
-  const Problem prob{op, rows, h, x.p, r.p, hs.p, y.p, w.p, b.p, mean.p, rstd.p};
+  const Problem prob{op == "ln" || op == "add_ln", op.rfind("add_", 0) == 0, rows, h,
+                     x.p, r.p, hs.p, y.p, w.p, b.p, mean.p, rstd.p};
   const int64_t half = rows / 2;
 
   std::atomic<int> go{0}, done{0};

@@ -56,6 +56,20 @@ def random(rng, shape, dtype, scale=1.0, offset=0.0):
   return jnp.asarray(rng.normal(offset, scale, size=shape).astype(np.float32)).astype(dtype)
 
 
+
+def build_against_csrc(source: str, exe: str, flags: list[str]) -> None:
+  """Compiles the C++ program ``source`` (a path) against ``csrc/`` and the XLA FFI headers into
+  ``exe`` with ``flags``; skips the test where no C++ compiler is found."""
+  import shutil
+  import subprocess
+  cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+  if cxx is None:
+    pytest.skip("no C++ compiler")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run([cxx, "-std=gnu++17", "-Wno-psabi", *flags, "-isystem", jax.ffi.include_dir(),
+                  "-I", os.path.join(root, "csrc"), source, "-o", exe],
+                 check=True, capture_output=True)
+
 #: From jax 0.11 the Pallas Triton lowering asks which GPU it compiles for.
 TRITON_LOWERING_NEEDS_GPU_KIND = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
 

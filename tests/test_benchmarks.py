@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jax_normgrad import _bench
+import cases
 
 _SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu.py"
 
@@ -312,21 +313,13 @@ def test_gpu_trace_smoke_run(tmp_path):
 
 def test_kernel_rows_harness_builds_and_runs(tmp_path):
   """benchmarks/kernel_rows.cc (the forward row loops alone) compiles against csrc/ and runs each op."""
-  import os
-  import shutil
   import subprocess
-  root = pathlib.Path(__file__).resolve().parent.parent
-  cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-  if cxx is None:
-    pytest.skip("no C++ compiler")
-  exe = tmp_path / "kernel_rows"
+  exe = str(tmp_path / "kernel_rows")
   # The baseline ISA at -O1: any x86-64 CPU, a quick compile; the timings are not looked at.
-  subprocess.run([cxx, "-std=gnu++17", "-O1", "-Wno-psabi", "-DJNG_ISA=generic", "-pthread",
-                  "-isystem", jax.ffi.include_dir(), "-I", str(root / "csrc"),
-                  str(root / "benchmarks" / "kernel_rows.cc"), "-o", str(exe)],
-                 check=True, capture_output=True)
+  cases.build_against_csrc(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks" /
+                               "kernel_rows.cc"), exe, ["-O1", "-DJNG_ISA=generic", "-pthread"])
   for op, threads in [("ln", 1), ("rms", 2), ("add_ln", 2), ("add_rms", 1)]:
-    out = subprocess.run([str(exe), op, "6", "37", str(threads), "3"], check=True,
+    out = subprocess.run([exe, op, "6", "37", str(threads), "3"], check=True,
                          capture_output=True, text=True).stdout
     assert f"({op} 6x37, {threads} thread" in out and len(out.split("us")[0].split()) == 5, out
-  assert subprocess.run([str(exe), "nope", "6", "37", "1"], capture_output=True).returncode == 2
+  assert subprocess.run([exe, "nope", "6", "37", "1"], capture_output=True).returncode == 2

@@ -414,19 +414,13 @@ def _cpu_has(*flags: str) -> bool:
 def _run_csrc_check(name: str, isa_flags: list[str]) -> None:
   """Compiles tests/csrc/<name>.cc against csrc/ with ``isa_flags`` and runs it; it exits 0 when all match."""
   import os
-  import shutil
   import subprocess
   import tempfile
-  cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-  if cxx is None:
-    pytest.skip("no C++ compiler")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with tempfile.TemporaryDirectory() as tmp:
     exe = os.path.join(tmp, name)
-    subprocess.run([cxx, "-std=gnu++17", "-O2", "-Wno-psabi", *isa_flags,
-                    "-isystem", jax.ffi.include_dir(), "-I", os.path.join(root, "csrc"),
-                    os.path.join(root, "tests", "csrc", name + ".cc"), "-o", exe],
-                   check=True, capture_output=True)
+    cases.build_against_csrc(os.path.join(root, "tests", "csrc", name + ".cc"), exe,
+                             ["-O2", *isa_flags])
     result = subprocess.run([exe], capture_output=True, text=True)
   assert result.returncode == 0, result.stdout
 
