@@ -33,15 +33,31 @@ namespace jax_normgrad {
 namespace JNG_ISA {
 namespace {
 
+// Whether a forward row loop prefetches the next row (PrefetchNextRow) in
+// its moments pass rather than its output pass: the moments loop (loads and
+// adds into 4 chains) has issue slots to spare, and the output loop (bound
+// by its loads and stores) is then compiled with no prefetch code at all.
+// Not where y streams: rows then come from memory, and the output pass's
+// prefetch measured faster. In-process A/B through XLA
+// (benchmarks/ab_builds.py, 12-14 rounds, float32 LayerNorm forward,
+// medians of the per-round speedups, four to six runs): 512x512
+// 1.12-1.24x, 2048x512 1.11-1.30x, 1024x768 1.05-1.13x, 2048x1024 (16 MiB
+// moved) 1.00-1.14x; the moments-pass prefetch where y streams: 8192x1024
+// 0.95-0.98x (BENCHMARKS.md, 2026-11-27).
+inline bool PrefetchInMomentsPass(bool stream_y) { return !stream_y; }
+
 // y = xhat * w + b for n elements, xhat = (x - mu) * rs, and xhat itself into
 // xo when given (w and b are never null: ones / zeros stand in for absent
-// ones). Prefetches the line `ahead` elements on in x (0: none).
-template <typename T, typename Ty, typename Tp>
+// ones). kPrefetch: prefetches the line `ahead` elements on in x (0: none);
+// without it the loop has no prefetch code (PrefetchInMomentsPass).
+template <bool kPrefetch, typename T, typename Ty, typename Tp>
 void FwdOutput(const T* x, const Tp* w, const Tp* b, Ty* y, T* xo, int64_t n, float mu,
                float rs, int64_t ahead, bool stream_y) {
   const bool stream = StreamRow(stream_y, y);
   ForRowWide(y, n, [&](auto tag, int64_t j) {
-    if (ahead) PrefetchLine(tag, x + ahead + j);
+    if constexpr (kPrefetch) {
+      if (ahead) PrefetchLine(tag, x + ahead + j);
+    }
     auto xh = (Ld(tag, x + j) - mu) * rs;
     if (xo) St(tag, xo + j, xh);
     StOut(tag, y + j, xh * Ld(tag, w + j) + Ld(tag, b + j), stream);
@@ -58,6 +74,7 @@ void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Ty* y, T* xhat_out,
   const bool prefetch_rows = PrefetchNextRow<T>(H);
   for (int64_t i = row_begin; i < row_end; ++i) {
     const T* xr = x + i * H;
+    const int64_t ahead = prefetch_rows && i + 1 < row_end ? H : 0;
     // Moments without E[x^2] - E[x]^2 cancellation (RowMoments: shifted sums
     // in one pass, two passes where those would cancel): over the row where
     // the next-row prefetch keeps it in cache, else by L1-sized chunks (one
@@ -71,13 +88,24 @@ void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Ty* y, T* xhat_out,
       mu = m.mean;
       m2 = m.m2;
     } else {
-      RowMoments(xr, H, centered, &mu, &m2);
+      const int64_t early = PrefetchInMomentsPass(stream_y) ? ahead : 0;
+      RowMomentsOf(
+          H, centered,
+          [&](auto tag, int64_t j) {
+            if (early) PrefetchLine(tag, xr + early + j);
+            return Ld(tag, xr + j);
+          },
+          &mu, &m2);
     }
     const float rs = 1.0f / std::sqrt(m2 * inv_h + eps);
     if (mean_out) mean_out[i] = mu;
     rstd_out[i] = rs;
-    FwdOutput(xr, w, b, y + i * H, xhat_out ? xhat_out + i * H : nullptr, H, mu, rs,
-              prefetch_rows && i + 1 < row_end ? H : 0, stream_y);
+    T* xo = xhat_out ? xhat_out + i * H : nullptr;
+    if (PrefetchInMomentsPass(stream_y)) {
+      FwdOutput<false>(xr, w, b, y + i * H, xo, H, mu, rs, 0, stream_y);
+    } else {
+      FwdOutput<true>(xr, w, b, y + i * H, xo, H, mu, rs, ahead, stream_y);
+    }
   }
 }
 
@@ -161,9 +189,9 @@ void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const Tp* w, const T
   }
   ParallelFor(pool, units, [&](int64_t u) {
     const int64_t r = u / cc.count, i = row_begin + r, c0 = cc.begin(u % cc.count);
-    FwdOutput(x + i * H + c0, w + c0, b + c0, y + i * H + c0,
-              xhat_out ? xhat_out + i * H + c0 : nullptr, cc.size(u % cc.count), mu[r], rs[r], 0,
-              stream_y);
+    FwdOutput<false>(x + i * H + c0, w + c0, b + c0, y + i * H + c0,
+                     xhat_out ? xhat_out + i * H + c0 : nullptr, cc.size(u % cc.count), mu[r],
+                     rs[r], 0, stream_y);
   });
 }
 

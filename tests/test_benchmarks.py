@@ -318,8 +318,31 @@ def test_kernel_rows_harness_builds_and_runs(tmp_path):
   # The baseline ISA at -O1: any x86-64 CPU, a quick compile; the timings are not looked at.
   cases.build_against_csrc(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks" /
                                "kernel_rows.cc"), exe, ["-O1", "-DJNG_ISA=generic", "-pthread"])
-  for op, threads in [("ln", 1), ("rms", 2), ("add_ln", 2), ("add_rms", 1)]:
-    out = subprocess.run([exe, op, "6", "37", str(threads), "3"], check=True,
+  for op, threads, outputs in [("ln", 1, 1), ("rms", 2, 3), ("add_ln", 2, 2), ("add_rms", 1, 1),
+                               ("copy", 2, 2)]:
+    out = subprocess.run([exe, op, "6", "37", str(threads), "3", str(outputs)], check=True,
                          capture_output=True, text=True).stdout
     assert f"({op} 6x37, {threads} thread" in out and len(out.split("us")[0].split()) == 5, out
-  assert subprocess.run([exe, "nope", "6", "37", "1"], capture_output=True).returncode == 2
+    assert f"{outputs} output" in out, out
+  for bad in (["nope", "6", "37", "1"], ["ln", "6", "37", "1", "3", "0"]):
+    assert subprocess.run([exe, *bad], capture_output=True).returncode == 2, bad
+
+
+def test_ab_builds_times_a_second_copy_of_the_kernels():
+  """benchmarks/ab_builds.py against the installed build itself (an A/A run): both lowerings run."""
+  import os
+  import subprocess
+  import sys
+  from jax_normgrad import _ffi
+  script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab_builds.py"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")  # the CPU kernels, also on an accelerator machine
+  rows = "layer_norm:6x37:fwd,add_rms_norm:5x16:bwd,group_norm:2x3x3x32:grad"
+  out = subprocess.run([sys.executable, str(script), _ffi._ext.__file__, "--rows", rows,
+                        "--rounds", "2", "--iters", "2"], check=True, capture_output=True,
+                       text=True, env=env).stdout
+  for spec in rows.split(","):
+    line = next(l for l in out.splitlines() if l.startswith(spec + ":"))
+    assert "installed/other by round: median" in line and len(line.split("[")[1].split()) == 2, out
+  bad = subprocess.run([sys.executable, str(script), _ffi._ext.__file__, "--rows", "nope:2x3:fwd"],
+                       capture_output=True, text=True, env=env)
+  assert bad.returncode != 0 and "expected OP:SHAPE:PASS" in bad.stderr
