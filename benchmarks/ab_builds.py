@@ -61,21 +61,15 @@ def load_other(path: str) -> None:
     jax.ffi.register_ffi_target(target + SUFFIX, capsule, platform="cpu")
 
 
-_route = [""]
-_installed_call = _ffi.call
-
-
-def _routed_call(target, *args, **kwargs):
-  return _installed_call(target + _route[0], *args, **kwargs)
-
-
 @contextlib.contextmanager
 def routed_to(suffix: str):
-  _route[0], _ffi.call = suffix, _routed_call
+  """The package's FFI calls go to the targets named ``<name><suffix>`` meanwhile."""
+  installed = _ffi.call
+  _ffi.call = lambda target, *args, **kwargs: installed(target + suffix, *args, **kwargs)
   try:
     yield
   finally:
-    _route[0], _ffi.call = "", _installed_call
+    _ffi.call = installed
 
 
 def compiled_pair(fn, args):
@@ -132,7 +126,7 @@ def measure(spec: str, rounds: int, iters: int) -> dict:
       _bench.warm_up(lambda: jax.block_until_ready(f(*args)), 1, 20)
       times[build].append(statistics.median(_bench.call_times_ms(f, *args, warmup=0, iters=iters)))
   ratios = [a / b for a, b in zip(times["installed"], times["other"])]
-  return dict(row=spec, installed_ms=statistics.median(times["installed"]),
+  return dict(installed_ms=statistics.median(times["installed"]),
               other_ms=statistics.median(times["other"]), ratios=ratios,
               ratio_median=statistics.median(ratios))
 
