@@ -54,6 +54,7 @@ file (``--out``) with the machine, versions and the load average.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -73,15 +74,18 @@ from bench_cpu import SETTLE_S, cpu_model  # noqa: E402  (the sibling script's c
 import flax.linen as nn  # noqa: E402
 import jax_normgrad.flax as jnf  # noqa: E402
 
-# (batch, side, channels per level, blocks per level, groups); "quick" is a smoke size.
+# (batch, side, channels per level, blocks per level, groups); "quick" is a smoke size, "gpu"
+# fills an H100 (GroupNorm on 32x32x32x64 down to 32x8x8x256, as a diffusion UNet's).
 UNET_SIZES = {
     "default": (8, 32, (64, 128, 256), 2, 32),
     "quick": (2, 8, (16,), 1, 4),
+    "gpu": (32, 32, (64, 128, 256), 2, 32),
 }
-# (batch, tokens, width, heads, blocks).
+# (batch, tokens, width, heads, blocks); "gpu": a DiT-sized stack (6 blocks of 512, 256 tokens).
 TRANSFORMER_SIZES = {
     "default": (8, 256, 512, 8, 4),
     "quick": (2, 16, 32, 2, 1),
+    "gpu": (32, 256, 512, 8, 6),
 }
 
 
@@ -113,24 +117,35 @@ class Affine(nn.Module):
     return y + self.param("bias", nn.initializers.zeros, (d,)) if self.use_bias else y
 
 
+def forward_of(variant: str) -> str | None:
+  """The drop-ins' ``forward`` for a package variant: ``*_xla`` is XLA's forward, else the kernel."""
+  return "xla" if variant.endswith("_xla") else "kernel"
+
+
 class NormSiLU(nn.Module):
-  """GroupNorm then SiLU, in one of the variants (parameters named as flax's GroupNorm's)."""
+  """GroupNorm then SiLU, in one of the variants (parameters named as flax's GroupNorm's).
+
+  ``ours``/``fused`` run the forward kernel, ``ours_xla``/``fused_xla``
+  XLA's jnp forward (``forward="xla"``), the backward kernel either way.
+  """
 
   variant: str
   groups: int
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x):
+    kw = dict(num_groups=self.groups, dtype=self.dtype)
     if self.variant == "flax":
-      return nn.silu(nn.GroupNorm(num_groups=self.groups)(x))
-    if self.variant == "ours":
-      return nn.silu(jnf.GroupNorm(num_groups=self.groups)(x))
-    if self.variant == "fused":  # the SiLU in the GroupNorm kernels' output pass
-      return jnf.GroupNorm(num_groups=self.groups, activation="silu")(x)
+      return nn.silu(nn.GroupNorm(**kw)(x))
+    if self.variant in ("ours", "ours_xla"):
+      return nn.silu(jnf.GroupNorm(**kw, forward=forward_of(self.variant))(x))
+    if self.variant in ("fused", "fused_xla"):  # the SiLU in the GroupNorm's output pass
+      return jnf.GroupNorm(**kw, activation="silu", forward=forward_of(self.variant))(x)
     if self.variant == "identity":
       return nn.silu(x)
     if self.variant == "affine":
-      return nn.silu(Affine()(x))
+      return nn.silu(Affine()(x).astype(x.dtype))
     raise ValueError(f"variant: unknown {self.variant!r}")
 
 
@@ -138,13 +153,15 @@ class ResBlock(nn.Module):
   channels: int
   variant: str
   groups: int
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x):
-    h = nn.Conv(self.channels, (3, 3))(NormSiLU(self.variant, self.groups)(x))
-    h = nn.Conv(self.channels, (3, 3))(NormSiLU(self.variant, self.groups)(h))
+    conv = lambda k: nn.Conv(self.channels, k, dtype=self.dtype)
+    h = conv((3, 3))(NormSiLU(self.variant, self.groups, self.dtype)(x))
+    h = conv((3, 3))(NormSiLU(self.variant, self.groups, self.dtype)(h))
     if x.shape[-1] != self.channels:
-      x = nn.Conv(self.channels, (1, 1))(x)
+      x = conv((1, 1))(x)
     return x + h
 
 
@@ -155,28 +172,39 @@ class UNetStack(nn.Module):
   blocks: int
   variant: str
   groups: int
+  dtype: Any = None  # the convolutions' and norms' computation dtype (flax's ``dtype``)
 
   @nn.compact
   def __call__(self, x):
-    h = nn.Conv(self.channels[0], (3, 3))(x)
+    h = nn.Conv(self.channels[0], (3, 3), dtype=self.dtype)(x)
     for level, c in enumerate(self.channels):
       if level:
-        h = nn.Conv(c, (3, 3), strides=(2, 2))(h)
+        h = nn.Conv(c, (3, 3), strides=(2, 2), dtype=self.dtype)(h)
       for _ in range(self.blocks):
-        h = ResBlock(c, self.variant, self.groups)(h)
-    return nn.Conv(x.shape[-1], (3, 3))(NormSiLU(self.variant, self.groups)(h))
+        h = ResBlock(c, self.variant, self.groups, self.dtype)(h)
+    h = NormSiLU(self.variant, self.groups, self.dtype)(h)
+    return nn.Conv(x.shape[-1], (3, 3), dtype=self.dtype)(h).astype(jnp.float32)
+
+
+#: The package variants whose forward is XLA's (``forward="xla"``), each beside its kernel twin.
+XLA_FORWARD_VARIANTS = ("ours_xla", "fused_xla", "dropin_xla")
 
 
 def unet_variants() -> tuple[str, ...]:
-  return ("flax", "ours") + (("fused",) if fused_activation_available() else ()) + ("identity", "affine")
+  return ("flax", "ours", "ours_xla") + (
+      ("fused", "fused_xla") if fused_activation_available() else ()) + ("identity", "affine")
 
 
-def unet_setup(variant: str, size: str = "default"):
-  """``(model, x, target)``; the target has the last level's shape."""
+def unet_setup(variant: str, size: str = "default", dtype=jnp.float32):
+  """``(model, x, target)``; the target has the last level's shape.
+
+  ``dtype``: the model's computation dtype (its convolutions and norms; the
+  parameters stay float32, as flax's mixed precision), x in it too.
+  """
   batch, side, channels, blocks, groups = UNET_SIZES[size]
-  model = UNetStack(channels, blocks, variant, groups)
+  model = UNetStack(channels, blocks, variant, groups, jnp.dtype(dtype))
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((batch, side, side, 3), np.float32))
+  x = jnp.asarray(rng.standard_normal((batch, side, side, 3), np.float32)).astype(dtype)
   out_side = side >> (len(channels) - 1)
   target = jnp.asarray(rng.standard_normal((batch, out_side, out_side, 3), np.float32))
   return model, x, target
@@ -209,26 +237,32 @@ class AddNorm(nn.Module):
 
   variant: str
   norm: str  # "layer" | "rms"
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x, residual=None):
     centered = self.norm == "layer"
-    if self.variant == "ours" and residual is not None:
-      return (jnf.AddLayerNorm() if centered else jnf.AddRMSNorm())(x, residual)
+    kw = dict(dtype=self.dtype)
+    if self.variant != "flax":
+      kw["forward"] = forward_of(self.variant)
+    if self.variant in ("ours", "ours_xla") and residual is not None:
+      return (jnf.AddLayerNorm(**kw) if centered else jnf.AddRMSNorm(**kw))(x, residual)
     h = x if residual is None else x + residual
     if self.variant == "identity":
       return h, h
     if self.variant == "affine":
-      return Affine(use_bias=centered)(h), h
+      return Affine(use_bias=centered)(h).astype(h.dtype), h
     mod = nn if self.variant == "flax" else jnf
-    return (mod.LayerNorm() if centered else mod.RMSNorm())(h), h
+    return (mod.LayerNorm(**kw) if centered else mod.RMSNorm(**kw))(h), h
 
 
 class MLP(nn.Module):
+  dtype: Any = None
+
   @nn.compact
   def __call__(self, y):
     d = y.shape[-1]
-    return nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(y)))
+    return nn.Dense(d, dtype=self.dtype)(nn.gelu(nn.Dense(4 * d, dtype=self.dtype)(y)))
 
 
 class PreNormStack(nn.Module):
@@ -238,29 +272,32 @@ class PreNormStack(nn.Module):
   heads: int
   variant: str
   norm: str
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x):
-    y, h = AddNorm(self.variant, self.norm)(x)
+    add_norm = lambda: AddNorm(self.variant, self.norm, self.dtype)
+    y, h = add_norm()(x)
     for _ in range(self.blocks):
-      out = nn.MultiHeadDotProductAttention(num_heads=self.heads)(y)
-      y, h = AddNorm(self.variant, self.norm)(out, h)
-      y, h = AddNorm(self.variant, self.norm)(MLP()(y), h)
-    return y
+      out = nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(y)
+      y, h = add_norm()(out, h)
+      y, h = add_norm()(MLP(self.dtype)(y), h)
+    return y.astype(jnp.float32)
 
 
-TRANSFORMER_VARIANTS = ("flax", "ours", "dropin", "identity", "affine")
+TRANSFORMER_VARIANTS = ("flax", "ours", "ours_xla", "dropin", "dropin_xla", "identity", "affine")
 # The variants without this package's kernels: the reference and the two stand-ins for a free norm.
 BASELINES = ("flax", "identity", "affine")
 # The norm-free steps a saving is measured against, and its keys' suffix.
 SAVINGS_BASES = (("", "identity"), ("_vs_affine", "affine"))
 
 
-def transformer_setup(variant: str, norm: str = "layer", size: str = "default"):
+def transformer_setup(variant: str, norm: str = "layer", size: str = "default", dtype=jnp.float32):
+  """``(model, x, target)``; ``dtype`` as :func:`unet_setup`'s (the residual stream in it too)."""
   batch, tokens, width, heads, blocks = TRANSFORMER_SIZES[size]
-  model = PreNormStack(blocks, heads, variant, norm)
+  model = PreNormStack(blocks, heads, variant, norm, jnp.dtype(dtype))
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((batch, tokens, width), np.float32))
+  x = jnp.asarray(rng.standard_normal((batch, tokens, width), np.float32)).astype(dtype)
   target = jnp.asarray(rng.standard_normal(x.shape, np.float32))
   return model, x, target
 
@@ -328,9 +365,23 @@ def count_params(params) -> int:
   return int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
 
 
-def custom_calls(step, args) -> int:
-  """How many of this package's custom calls the step's lowered text holds."""
-  return step.lower(*args).as_text().count("custom_call @jax_normgrad_")
+def custom_calls(lowered_text: str) -> int:
+  """How many of this package's custom calls a step's lowered text holds."""
+  return lowered_text.count("custom_call @jax_normgrad_")
+
+
+def compile_steps(steps: dict[str, tuple], threads: int = 1) -> dict[str, tuple]:
+  """``{variant: (compiled step, args, lowered text, compiled text)}``, compiled ahead of time.
+
+  Each step is traced and lowered in turn (Python, one thread), then the
+  compiles run on ``threads`` threads (XLA compiles without holding the GIL):
+  on a GPU a model's variants compile in seconds each, most of a run's time.
+  """
+  lowered = {v: (step.lower(*args), args) for v, (step, args) in steps.items()}
+  with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+    compiled = dict(zip(lowered, pool.map(lambda la: la[0].compile(), lowered.values())))
+  return {v: (compiled[v], args, low.as_text(), compiled[v].as_text())
+          for v, (low, args) in lowered.items()}
 
 
 def saves_interval(flax_rounds, variant_rounds, base_rounds, level: float = 0.9,
@@ -366,7 +417,8 @@ def saves_interval(flax_rounds, variant_rounds, base_rounds, level: float = 0.9,
 
 
 def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
-                  settle_s: float = SETTLE_S, profile_rounds: int = 0) -> dict:
+                  settle_s: float = SETTLE_S, profile_rounds: int = 0,
+                  compile_threads: int = 1, top_kernels: int = 0) -> dict:
   """One model: each variant's step in interleaved rounds; the medians, shares and savings.
 
   ``setups``: variant -> ``(model, x, target)``; must hold ``flax`` and
@@ -388,9 +440,17 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   the dots and convolutions, where the norms' own work runs: the
   variants' matmuls are the same ones (less the three the transformer's
   identity drops), and on a 2-core machine their run-to-run spread is
-  larger than the whole norm time.
+  larger than the whole norm time. On a GPU the op times are the device's
+  kernels, with ``norm`` (this package's kernels) besides, and
+  ``top_kernels`` > 0 keeps the largest kernels of each variant's step
+  (``<variant>_op_ms["kernels"]``: name, us per step, launches per step):
+  the norm kernels and the converts, transposes and reductions around them.
+  ``compile_threads``: see :func:`compile_steps`.
   """
-  steps = {v: training_step(*s) for v, s in setups.items()}
+  t0 = time.perf_counter()
+  compiled = compile_steps({v: training_step(*s) for v, s in setups.items()}, compile_threads)
+  compile_s = time.perf_counter() - t0
+  steps = {v: (c[0], c[1]) for v, c in compiled.items()}
   per_round = max(1, -(-iters // rounds))
   samples = {v: [] for v in steps}
   round_medians = {v: [] for v in steps}
@@ -405,18 +465,21 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   for _ in range(profile_rounds):
     for v, (step, args) in steps.items():
       time.sleep(settle_s)
-      op_times[v].append(_bench.step_op_ms(step, args, calls=2))
+      op_times[v].append(_bench.step_op_ms(step, args, calls=2, top=top_kernels,
+                                           hlo_text=compiled[v][3]))
   row = {"model": name, "variants": list(steps), "rounds": rounds, "iters": per_round * rounds,
-         "profile_rounds": profile_rounds}
+         "profile_rounds": profile_rounds, "compile_s": compile_s}
   for v, (step, args) in steps.items():
     row[f"{v}_loss"] = float(step(*args)[0])  # the first step's: flax's and the kernels' agree
     row[f"{v}_ms"] = float(np.median(samples[v]))
     row[f"{v}_rounds_ms"] = round_medians[v]
     row[f"{v}_params"] = count_params(steps[v][1][0])
-    row[f"{v}_custom_calls"] = custom_calls(*steps[v])
+    row[f"{v}_custom_calls"] = custom_calls(compiled[v][2])
     if profile_rounds:
       row[f"{v}_op_ms"] = {k: float(np.median([t[k] for t in op_times[v]]))
-                           for k in ("ops", "matmul", "other")}
+                           for k in ("ops", "matmul", "other", "norm") if k in op_times[v][0]}
+      if top_kernels:
+        row[f"{v}_op_ms"]["kernels"] = op_times[v][-1]["kernels"]
   flax_ms, none_ms = row["flax_ms"], row["identity_ms"]
   row["norm_ms"] = flax_ms - none_ms
   row["norm_share"] = row["norm_ms"] / flax_ms
@@ -443,7 +506,7 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
 
 def print_row(row: dict):
   print(f"\n{row['model']} ({row['flax_params'] / 1e6:.2f}M params; {row['rounds']} rounds, "
-        f"{row['iters']} steps per variant)")
+        f"{row['iters']} steps per variant; compiled in {row['compile_s']:.1f} s)")
   for v in row["variants"]:
     saves = row.get(f"{v}_saves")
     extra = (f"  {row[f'{v}_vs_flax']:.3f}x flax's, saves {100 * saves:5.1f}% of the norm time"
@@ -457,7 +520,8 @@ def print_row(row: dict):
                   f"90% interval {100 * paired[1]:.1f}% to {100 * paired[2]:.1f}%")
     if f"{v}_op_ms" in row:
       op = row[f"{v}_op_ms"]
-      extra += f"\n{'':12s}op time {op['ops']:.1f} ms: matmuls {op['matmul']:.1f}, other {op['other']:.1f}"
+      extra += (f"\n{'':12s}op time {op['ops']:.2f} ms: matmuls {op['matmul']:.2f}, other "
+                f"{op['other']:.2f}" + (f" (norm kernels {op['norm']:.2f})" if "norm" in op else ""))
       if row.get(f"{v}_saves_by_op_time") is not None:
         extra += f"; saves {100 * row[f'{v}_saves_by_op_time']:.1f}% of the norms' op time"
       if row.get(f"{v}_saves_by_op_time_vs_affine") is not None:
@@ -469,58 +533,96 @@ def print_row(row: dict):
         flush=True)
 
 
+def _info(args, settle_s, kept) -> dict:
+  """The run's machine, versions and settings, for the JSON."""
+  info = _bench.versions()
+  import flax
+  info["flax"] = flax.__version__
+  info["optimizer"] = _optimizer()[2]
+  dev = jax.devices()[0]
+  info["device"] = f"{dev.platform}: {getattr(dev, 'device_kind', '?')}"
+  try:
+    info["cpu_kernel_isa"] = _ffi.isa()
+  except RuntimeError:  # no compiled extension (a GPU machine may run the sources alone)
+    info["cpu_kernel_isa"] = None
+  info["cpu_model"] = cpu_model()
+  info["settle_s"] = settle_s
+  info["keep_freed_memory"] = kept
+  info["command"] = " ".join(sys.argv)
+  info["loadavg_start"] = os.getloadavg()
+  return info
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny models, 1 round of 2 steps")
+  parser.add_argument("--size", choices=tuple(UNET_SIZES), default=None,
+                      help="the models' size (default: 'gpu' on a GPU, else 'default'; "
+                           "--quick: 'quick')")
   parser.add_argument("--model", choices=("unet", "transformer", "all"), default="all")
   parser.add_argument("--norm", choices=("layer", "rms"), default="layer",
                       help="the transformer's norm: LayerNorm or RMSNorm")
+  parser.add_argument("--dtypes", default="float32",
+                      help="comma-separated computation dtypes, each a run of every model "
+                           "(float32, bfloat16)")
+  parser.add_argument("--variants", default="",
+                      help="comma-separated variants to run (flax and identity always run; "
+                           "default: all, less 'affine' on a GPU)")
   parser.add_argument("--iters", type=int, default=25, help="timed steps per variant (over the rounds)")
   parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--settle-ms", type=float, default=1e3 * SETTLE_S)
+  parser.add_argument("--settle-ms", type=float, default=None,
+                      help=f"pause before each variant's samples (default {1e3 * SETTLE_S:g} on "
+                           "the CPU, 0 on a GPU)")
   parser.add_argument("--profile-rounds", type=int, default=0,
                       help="also profile each variant's step in this many interleaved rounds of 2 "
                            "calls: its op time besides the matmuls, and the savings by it")
+  parser.add_argument("--top-kernels", type=int, default=0,
+                      help="with --profile-rounds on a GPU: keep each step's N largest kernels")
+  parser.add_argument("--compile-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                      help="compile a model's variants on this many threads")
   parser.add_argument("--keep-freed-memory", action="store_true",
                       help="call jax_normgrad.keep_freed_memory() first (no fresh-page faults)")
   parser.add_argument("--out", default="benchmarks/results/models.json")
   args = parser.parse_args(argv)
   import jax_normgrad as jn
   kept = jn.keep_freed_memory() if args.keep_freed_memory else False
-  size = "quick" if args.quick else "default"
+  gpu = jax.default_backend() == "gpu"
+  size = "quick" if args.quick else args.size or ("gpu" if gpu else "default")
   iters, rounds = (2, 1) if args.quick else (args.iters, args.rounds)
-  settle_s = args.settle_ms / 1e3
+  settle_s = (0.0 if gpu else SETTLE_S) if args.settle_ms is None else args.settle_ms / 1e3
+  wanted = set(filter(None, args.variants.split(",")))
 
-  info = _bench.versions()
-  import flax
-  info["flax"] = flax.__version__
-  info["optimizer"] = _optimizer()[2]
-  info["cpu_kernel_isa"] = _ffi.isa()
-  info["cpu_model"] = cpu_model()
-  info["settle_s"] = settle_s
-  info["keep_freed_memory"] = kept
-  info["loadavg_start"] = os.getloadavg()
+  def chosen(variants):
+    return [v for v in variants if v in BASELINES[:2] or (v in wanted if wanted else
+                                                          not (gpu and v == "affine"))]
+
+  info = _info(args, settle_s, kept)
   print(json.dumps(info))
   rows = []
-  if args.model in ("unet", "all"):
-    setups = {v: unet_setup(v, size) for v in unet_variants()}
-    b, side, channels, blocks, groups = UNET_SIZES[size]
-    row = measure_model(f"unet {b}x{side}x{side}x3, channels {'/'.join(map(str, channels))}, "
-                        f"{blocks} blocks per level, {groups} groups", setups, iters, rounds, settle_s,
-                        args.profile_rounds)
-    row["norm_shapes"] = unet_norm_shapes(size)
-    rows.append(row)
-    print_row(row)
-  if args.model in ("transformer", "all"):
-    setups = {v: transformer_setup(v, args.norm, size) for v in TRANSFORMER_VARIANTS}
-    b, tokens, width, heads, blocks = TRANSFORMER_SIZES[size]
-    rows.append(measure_model(f"pre-norm transformer {b}x{tokens}x{width}, {heads} heads, "
-                              f"{blocks} blocks, {args.norm} norm", setups, iters, rounds, settle_s,
-                              args.profile_rounds))
-    print_row(rows[-1])
-  info["loadavg_end"] = os.getloadavg()
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
+  kw = dict(iters=iters, rounds=rounds, settle_s=settle_s, profile_rounds=args.profile_rounds,
+            compile_threads=args.compile_threads, top_kernels=args.top_kernels)
+  for dtype in args.dtypes.split(","):
+    dt = jnp.dtype(dtype)
+    if args.model in ("unet", "all"):
+      setups = {v: unet_setup(v, size, dt) for v in chosen(unet_variants())}
+      b, side, channels, blocks, groups = UNET_SIZES[size]
+      row = measure_model(f"unet {b}x{side}x{side}x3, channels {'/'.join(map(str, channels))}, "
+                          f"{blocks} blocks per level, {groups} groups, {dt.name}", setups, **kw)
+      row["norm_shapes"] = unet_norm_shapes(size)
+      row["dtype"] = dt.name
+      rows.append(row)
+      print_row(row)
+    if args.model in ("transformer", "all"):
+      setups = {v: transformer_setup(v, args.norm, size, dt) for v in chosen(TRANSFORMER_VARIANTS)}
+      b, tokens, width, heads, blocks = TRANSFORMER_SIZES[size]
+      rows.append(measure_model(f"pre-norm transformer {b}x{tokens}x{width}, {heads} heads, "
+                                f"{blocks} blocks, {args.norm} norm, {dt.name}", setups, **kw))
+      rows[-1]["dtype"] = dt.name
+      print_row(rows[-1])
+    out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))  # kept if a later one fails
+  info["loadavg_end"] = os.getloadavg()
   out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
   print(f"load average at the start {info['loadavg_start']}, at the end {info['loadavg_end']}")
   print(f"wrote {out}")

@@ -25,6 +25,13 @@
 #   trace          benchmarks/gpu_trace.py (kernel durations per call, compiled modules)
 #   tests          the op suites on the GPU (pytest-xdist), installed package, cut at the deadline
 #   mosaic-tests   the op suites' Default classes with JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu
+#   wheels         pip install --target /tmp/site .whl/*.whl (Liger-Kernel, flaxdiff: carry .whl)
+#                  and /tmp/site on PYTHONPATH for the stages after it
+#   models         benchmarks/bench_models.py, both models, float32 and bfloat16, every variant
+#                  (kernel and XLA forwards), kernel times from a profile (MODELS_ARGS: more args)
+#   third-party    examples/third_party_unet.py --size gpu: flaxdiff's UNet, flax / drop-ins with
+#                  the kernel forward / with XLA's forward / identities (needs wheels)
+#   forward-tests  tests/test_forward.py, test_layers.py and the drop-in suites on the GPU
 # Each stage's time limit is its own cap or what is left of the budget, whichever is less.
 # env.txt (nvidia-smi, versions) is always written first. The last lines printed are a
 # summary (the device tool returns the end of the output); at the end every file in $OUT
@@ -42,7 +49,8 @@ root=$PWD
 src=/tmp/jng_src
 rm -rf "$src" && mkdir -p "$src" && cp -r jax_normgrad "$src/"
 installed=0
-srcpath() { [ "$installed" = 1 ] && echo "" || echo "$src"; }
+site=""  # /tmp/site once the wheels stage has run
+srcpath() { local p; [ "$installed" = 1 ] && p="" || p="$src"; echo "$p${site:+${p:+:}$site}"; }
 
 OP_SUITES="tests/test_layer_norm.py tests/test_rms_norm.py tests/test_group_norm.py
   tests/test_add_norm.py tests/test_layer_norm_grad.py tests/test_layer_norm_options.py
@@ -122,6 +130,24 @@ for stage in $stages; do
       pytest_run pytest_mosaic.log "$(cap 100 20)" \
         JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu PYTHONPATH=$(srcpath) -- -k "Default or mosaic" \
         --junitxml="$OUT/junit_mosaic.xml" $OP_SUITES ;;
+    wheels)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 && site=/tmp/site
+      echo "wheels rc=$? at $((SECONDS - start)) s" >>"$OUT/wheels.log" ;;
+    models)
+      PYTHONUNBUFFERED=1 PYTHONPATH=$(srcpath) timeout "$(cap 260 20)" python3 benchmarks/bench_models.py \
+        --dtypes float32,bfloat16 --rounds 6 --iters 60 --profile-rounds 1 --top-kernels 30 \
+        --compile-threads 8 ${MODELS_ARGS:-} --out "$OUT/models.json" >"$OUT/models.log" 2>&1
+      echo "models rc=$? at $((SECONDS - start)) s" >>"$OUT/models.log" ;;
+    third-party)
+      PYTHONUNBUFFERED=1 PYTHONPATH=$(srcpath) timeout "$(cap 110 10)" python3 examples/third_party_unet.py \
+        --size gpu --rounds 5 --iters 20 --variants flax,ours_kernel,ours_xla,none \
+        >"$OUT/third_party.log" 2>&1
+      echo "third-party rc=$? at $((SECONDS - start)) s" >>"$OUT/third_party.log" ;;
+    forward-tests)
+      pytest_run pytest_forward.log "$(cap 100 10)" PYTHONPATH=$(srcpath) -- \
+        --junitxml="$OUT/junit_forward.xml" tests/test_forward.py tests/test_layers.py \
+        tests/test_dropin_flax.py tests/test_dropin_equinox.py ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
@@ -136,7 +162,10 @@ grep -E "fused|rc=" "$OUT/bench.log" 2>/dev/null | head -12
 grep -E "^\||rc=|rror" "$OUT/sweep.log" 2>/dev/null | grep -v "^| ---" | head -12
 grep -E "^==|rc=|rror" "$OUT/trace.log" 2>/dev/null | head -14
 grep -E " fwd: | bwd: |rc=|rror|^Thread|^  File" "$OUT/mosaic_probe.log" 2>/dev/null | head -24
-for log in pytest.log pytest_mosaic.log; do
+grep -E "^(unet|pre-norm)|^  [a-z_]+ +[0-9.]+ ms|norms:|rc=|rror" "$OUT/models.log" 2>/dev/null | head -40
+grep -E "^flaxdiff|^one training|^  ours|rc=|rror" "$OUT/third_party.log" 2>/dev/null | head -8
+tail -1 "$OUT/wheels.log" 2>/dev/null
+for log in pytest.log pytest_mosaic.log pytest_forward.log; do
   [ -f "$OUT/$log" ] || continue
   echo "== $log"; grep -E "^(FAILED|ERROR)" "$OUT/$log" | cut -c1-150 | head -25; tail -2 "$OUT/$log"
 done

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ import jax_normgrad.flax as jf
 SIZES = {
     "small": (2, 16, (16, 32), (None, {"heads": 2})),
     "bench": (8, 32, (64, 128, 256), (None, None, {"heads": 4})),
+    "gpu": (32, 32, (64, 128, 256), (None, None, {"heads": 4})),
 }
 
 
@@ -49,12 +51,34 @@ def _identity(cls):
   return type(cls.__name__, (cls,), {"__call__": lambda self, x, *a, **k: x})
 
 
+@contextlib.contextmanager
+def _forward(choice: str):
+  """The drop-ins' default forward while a step is lowered (``JAX_NORMGRAD_FORWARD``)."""
+  before = os.environ.get("JAX_NORMGRAD_FORWARD")
+  os.environ["JAX_NORMGRAD_FORWARD"] = choice
+  try:
+    yield
+  finally:
+    if before is None:
+      del os.environ["JAX_NORMGRAD_FORWARD"]
+    else:
+      os.environ["JAX_NORMGRAD_FORWARD"] = before
+
+
 def _layers_in_place(variant: str):
-  """What flax.linen's norms are while a variant is built: flax's, the drop-ins, or identities."""
+  """What flax.linen's norms are while a variant is built: flax's, the drop-ins, or identities.
+
+  "ours": the drop-ins with the platform's default forward; "ours_kernel" / "ours_xla": with
+  the forward kernel / XLA's forward (the backward kernel either way).
+  """
   if variant == "flax":
     return contextlib.nullcontext()
-  if variant == "ours":
-    return jf.patch()
+  if variant.startswith("ours"):
+    stack = contextlib.ExitStack()
+    stack.enter_context(jf.patch())
+    if variant != "ours":
+      stack.enter_context(_forward(variant.removeprefix("ours_")))
+    return stack
   # The same replacement patch() makes (a private helper: a benchmark's variant, not an API).
   return jf._layers.Patch("flax.linen", [_identity(c) for c in (jf._LayerNorm, jf._RMSNorm,
                                                                 jf._GroupNorm)])
@@ -130,11 +154,12 @@ def compare(size: str = "small", steps: int = 20) -> dict:
           "grad_leaves": len(jax.tree.leaves(first["flax"][1]))}
 
 
-def time_steps(size: str, rounds: int = 5, iters: int = 10) -> dict:
+def time_steps(size: str, rounds: int = 5, iters: int = 10,
+               variants: tuple[str, ...] = ("flax", "ours", "none")) -> dict:
   """Median ms of one jitted training step per variant, interleaved rounds: flax's layers
-  ("flax"), the drop-ins ("ours") and the norms replaced by identities ("none": what a free
-  norm would cost)."""
-  variants = {v: _variant(v, size) for v in ("flax", "ours", "none")}
+  ("flax"), the drop-ins ("ours"; "ours_kernel" / "ours_xla" with that forward) and the norms
+  replaced by identities ("none": what a free norm would cost)."""
+  variants = {v: _variant(v, size) for v in variants}
   times = {k: [] for k in variants}
   for r in range(rounds):
     for who, (step, params, state, data, _) in variants.items():
@@ -152,7 +177,11 @@ def main(argv=None) -> int:
   parser.add_argument("--size", choices=list(SIZES), default="small")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--variants", default="flax,ours,none",
+                      help="comma-separated: flax, ours, ours_kernel, ours_xla, none (flax and "
+                           "none always run)")
   args = parser.parse_args(argv)
+  variants = tuple(dict.fromkeys(["flax"] + args.variants.split(",") + ["none"]))
   result = compare(args.size)
   c = result["curves"]
   print(f"flaxdiff Unet ({args.size}): kernel calls in the step: flax {result['kernel_calls']['flax']}, "
@@ -163,13 +192,15 @@ def main(argv=None) -> int:
   print("loss curve, 20 adam steps (flax / patched): " + ", ".join(
       f"{a:.4f}/{b:.4f}" for a, b in zip(c["flax"][::5], c["ours"][::5])) +
         f", last {c['flax'][-1]:.4f}/{c['ours'][-1]:.4f}")
-  ms = time_steps(args.size, args.rounds, args.iters)
+  ms = time_steps(args.size, args.rounds, args.iters, variants)
   norms = ms["flax"] - ms["none"]
-  print(f"one training step, median ms: flax {ms['flax']:.2f}, patched {ms['ours']:.2f} "
-        f"({ms['flax'] / ms['ours']:.2f}x), norms removed {ms['none']:.2f}; the norms' share of "
-        f"flax's step {norms / ms['flax']:.1%}, of their time the kernels save "
-        f"{(ms['flax'] - ms['ours']) / norms:.0%}; jax {jax.__version__}, "
+  print(f"one training step, median ms: flax {ms['flax']:.2f}, norms removed {ms['none']:.2f}; "
+        f"the norms' share of flax's step {norms / ms['flax']:.1%}; jax {jax.__version__}, "
         f"{jax.devices()[0].device_kind}")
+  for v in variants:
+    if v.startswith("ours"):
+      print(f"  {v}: {ms[v]:.2f} ms ({ms['flax'] / ms[v]:.2f}x flax's), saves "
+            f"{(ms['flax'] - ms[v]) / norms:.0%} of the norms' time")
   return 0
 
 

@@ -16,7 +16,7 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 
 from jax_normgrad import _ffi  # noqa: E402,F401  (registers the CPU FFI targets)
 from jax_normgrad._ffi import export_safety_checks  # noqa: E402
-from jax_normgrad._implementation import FallbackWarning  # noqa: E402
+from jax_normgrad._implementation import LAYER_FORWARD_DEFAULT, FallbackWarning  # noqa: E402
 from jax_normgrad._malloc import keep_freed_memory  # noqa: E402
 from jax_normgrad._sharding import ShardingWarning  # noqa: E402
 from jax_normgrad._validation import IMPLEMENTATIONS, SUPPORTED_DTYPES
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FallbackWarning",
     "IMPLEMENTATIONS",
+    "LAYER_FORWARD_DEFAULT",
     "SUPPORTED_DTYPES",
     "ShardingWarning",
     "add_layer_norm",

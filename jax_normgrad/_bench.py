@@ -6,6 +6,7 @@ the equivalent jnp layer on the same inputs; ``median_ms`` times them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import gzip
@@ -488,29 +489,66 @@ def trace_events(fn, args, calls: int) -> list[dict]:
       return json.load(f)["traceEvents"]
 
 
-def step_op_ms(step, args, calls: int = 5) -> dict:
+#: GPU kernels that are matrix products or convolutions, by name (cuBLAS, cuDNN, CUTLASS and
+#: XLA's GEMM fusions; not "conv", which would take XLA's convert fusions).
+GPU_MATMUL_KERNEL = re.compile(r"gemm|xmma|cutlass|cudnn|wgmma|nvjet|cublas|sm\d\d_", re.IGNORECASE)
+#: This package's GPU kernels (the Pallas kernels' names).
+GPU_NORM_KERNEL = "jax_normgrad"
+
+
+def _gpu_pids(events: list[dict]) -> set:
+  """The trace's GPU device processes (empty on a CPU run)."""
+  return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+          and str(e.get("args", {}).get("name", "")).startswith("/device:GPU")}
+
+
+def step_op_ms(step, args, calls: int = 5, top: int = 0, hlo_text: str | None = None) -> dict:
   """Where a jitted step's time goes, from a profile of ``calls`` calls: ms per call.
 
   ``ops`` is the time of the compiled module's operations (XLA:CPU's thunks,
-  including custom calls), ``matmul`` that of the dots and convolutions (and
-  fusions containing one), ``other`` the rest: the memory-bound passes a
-  norm's implementation changes. Summed op durations, not wall time (ops
-  the runtime runs concurrently both count). Uses a ``jax.profiler`` trace
+  including custom calls; on a GPU the device's kernels), ``matmul`` that of
+  the dots and convolutions (and fusions containing one; on a GPU the
+  kernels named as ``GPU_MATMUL_KERNEL``), ``other`` the rest: the
+  memory-bound passes a norm's implementation changes. On a GPU also
+  ``norm``, this package's kernels (part of ``other``), and with ``top``
+  the ``top`` largest kernels as ``kernels``: ``[name, us per call,
+  launches per call]``. Summed op durations, not wall time (ops the runtime
+  runs concurrently both count). Uses a ``jax.profiler`` trace
   (:func:`trace_events`), so it needs a backend whose runtime emits per-op
-  trace events (XLA:CPU does).
+  trace events (XLA:CPU and XLA:GPU do). ``hlo_text``: the compiled
+  module's text, where the caller has it (``step`` may then be a compiled
+  executable); else ``step`` is lowered and compiled again for it.
   """
-  names, matmuls = _op_names(step.lower(*args).compile().as_text())
+  names, matmuls = _op_names(hlo_text if hlo_text is not None
+                             else step.lower(*args).compile().as_text())
   events = trace_events(step, args, calls)
-  ops = matmul = 0.0
+  gpus = _gpu_pids(events)
+  ops = matmul = norm = 0.0
+  per_kernel, launches = collections.Counter(), collections.Counter()
   for e in events:
     name = e.get("name", "")
-    if e.get("ph") != "X" or name not in names:
+    if e.get("ph") != "X":
+      continue
+    if gpus:
+      if e["pid"] not in gpus:
+        continue
+      per_kernel[name] += e["dur"]
+      launches[name] += 1
+      matmul += e["dur"] if GPU_MATMUL_KERNEL.search(name) else 0.0
+      norm += e["dur"] if name.startswith(GPU_NORM_KERNEL) else 0.0
+    elif name not in names:
       continue  # Python frames, runtime spans: op events are named by their instruction
-    if name in matmuls:
+    elif name in matmuls:
       matmul += e["dur"]
     ops += e["dur"]
-  return {"ops": ops / calls / 1e3, "matmul": matmul / calls / 1e3,
-          "other": (ops - matmul) / calls / 1e3}
+  out = {"ops": ops / calls / 1e3, "matmul": matmul / calls / 1e3,
+         "other": (ops - matmul) / calls / 1e3}
+  if gpus:
+    out["norm"] = norm / calls / 1e3
+  if top:
+    out["kernels"] = [[k, round(v / calls, 2), launches[k] / calls]
+                      for k, v in per_kernel.most_common(top)]
+  return out
 
 
 def measure_stack(dtype, iters, rounds=3, settle_s=0.0, layers=4, hidden=1024, ffn=256,

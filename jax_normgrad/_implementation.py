@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import types
 import warnings
 from typing import Callable
 
@@ -100,6 +101,50 @@ def resolve(implementation: str | None, platform: str, op: str, available: dict[
     return implementation
   if available.get(implementation) is None:
     raise ValueError(f"{op}: implementation={implementation!r} is not available on {platform}")
+  return implementation
+
+
+#: What a layer's forward runs with ``forward=None`` (and ``implementation=None``), per platform:
+#: "kernel" (the forward kernel, as ``forward="kernel"``) or "xla" (the jnp forward, which XLA
+#: fuses with the ops around it, as ``forward="xla"``). The backward is the kernel either way.
+#: Chosen by the in-model benchmarks (BENCHMARKS.md "In a model"): on the CPU the kernel
+#: forward is 3-20x XLA's; on the GPU a custom call cannot join the fusions around it.
+LAYER_FORWARD_DEFAULT = types.MappingProxyType(
+    {"cpu": "kernel", "cuda": "kernel", "rocm": "kernel", "tpu": "kernel"})
+
+#: The values of a forward primitive's ``forward`` parameter (the layers' ``forward`` option;
+#: "auto" is their None).
+FORWARDS = ("kernel", "xla", "auto")
+
+#: The environment variable that replaces ``LAYER_FORWARD_DEFAULT`` on every platform ("kernel"
+#: or "xla"; read at each lowering, as ``JAX_NORMGRAD_GPU_BACKEND``): what ``forward=None``
+#: layers, the drop-ins and ``patch()`` run, without a change to the model's code.
+FORWARD_ENV = "JAX_NORMGRAD_FORWARD"
+
+
+def layer_forward_default(platform: str) -> str:
+  """What a layer's ``forward=None`` runs on ``platform``: "kernel" or "xla"."""
+  chosen = os.environ.get(FORWARD_ENV, "")
+  if chosen:
+    if chosen not in ("kernel", "xla"):
+      raise ValueError(f"{FORWARD_ENV}: expected 'kernel' or 'xla' (or unset), got {chosen!r}")
+    return chosen
+  return LAYER_FORWARD_DEFAULT.get(platform, "kernel")
+
+
+def forward_implementation(forward: str, implementation: str | None, platform: str) -> str | None:
+  """The implementation a forward primitive lowers with, given its ``forward`` parameter.
+
+  "kernel": ``implementation`` itself (the public ops' forwards and ``forward="kernel"``).
+  "xla": the pure-JAX forward, whatever ``implementation`` says (the backward still runs
+  ``implementation``). "auto" (a layer's ``forward=None``): with ``implementation=None``,
+  :func:`layer_forward_default`; an implementation named by the user is run as named.
+  """
+  if forward not in FORWARDS:
+    raise ValueError(f"forward: expected one of {FORWARDS}, got {forward!r}")
+  if forward == "xla" or (forward == "auto" and implementation is None
+                          and layer_forward_default(platform) == "xla"):
+    return "xla"
   return implementation
 
 
@@ -172,7 +217,8 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
     available = {"xla": xla, "ffi": ffi if platform == "cpu" else None, "pallas": pallas}
     _REGISTRY.setdefault(prim.name, {})[platform] = available
 
-    def rule(ctx, *args, implementation, **params):
+    def rule(ctx, *args, implementation, forward="kernel", **params):
+      implementation = forward_implementation(forward, implementation, platform)
       impl = resolve(implementation, platform, prim.name, available)
       if platform == "tpu" and implementation is None and _auto_partitioned(ctx):
         _warn_once(

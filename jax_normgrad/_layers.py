@@ -137,7 +137,8 @@ def _param(p, shape):
   return None if p is None else jnp.broadcast_to(p.astype(F32), shape)
 
 
-def norm(x, weight, bias, *, begin: int, eps: float, centered: bool, out_dtype, implementation):
+def norm(x, weight, bias, *, begin: int, eps: float, centered: bool, out_dtype, implementation,
+         forward=None):
   """LayerNorm (``centered``) or RMSNorm of ``x`` over its axes ``begin, ...``, on the kernels.
 
   ``y = (x - mean) * rstd * weight + bias`` (RMSNorm: no mean), statistics in
@@ -151,7 +152,7 @@ def norm(x, weight, bias, *, begin: int, eps: float, centered: bool, out_dtype, 
     eps: float >= 0 added to the variance (mean square).
     centered: False for RMSNorm.
     out_dtype: y's dtype, one of the supported dtypes.
-    implementation: passed to :func:`jax_normgrad.layer_norm` / ``rms_norm``.
+    implementation, forward: passed to :func:`jax_normgrad.layer_norm` / ``rms_norm``.
 
   Returns:
     y with x's shape, in ``out_dtype``.
@@ -161,20 +162,20 @@ def norm(x, weight, bias, *, begin: int, eps: float, centered: bool, out_dtype, 
   xk, kernel_out = _kernel_io(x, out_dtype, narrowing=centered or b is None)
   if centered:
     y = jn.layer_norm(xk, w, b, normalized_shape=norm_shape, eps=eps, out_dtype=kernel_out,
-                      implementation=implementation)
+                      forward=forward, implementation=implementation)
   elif b is None:
     y = jn.rms_norm(xk, w, normalized_shape=norm_shape, eps=eps, out_dtype=kernel_out,
-                    implementation=implementation)
+                    forward=forward, implementation=implementation)
   else:
     # rms_norm has no bias: a float32 y plus the bias in float32, so y is
     # still rounded once.
     y = jn.rms_norm(xk, w, normalized_shape=norm_shape, eps=eps, out_dtype=F32,
-                    implementation=implementation) + b
+                    forward=forward, implementation=implementation) + b
   return y.astype(out_dtype)
 
 
 def group_norm(x, num_groups: int, weight, bias, *, batch_ndim: int, channels_last: bool,
-               eps: float, out_dtype, implementation, activation=None):
+               eps: float, out_dtype, implementation, activation=None, forward=None):
   """GroupNorm of ``x`` on the kernels, statistics per (sample, group), y rounded once to ``out_dtype``.
 
   ``x`` is ``batch + (spatial..., C)`` (``channels_last``) or ``batch + (C,
@@ -190,7 +191,7 @@ def group_norm(x, num_groups: int, weight, bias, *, batch_ndim: int, channels_la
     channels_last: channels on the last axis, else right after the samples.
     eps: float >= 0.
     out_dtype: y's dtype, one of the supported dtypes.
-    implementation: passed to :func:`jax_normgrad.group_norm`.
+    implementation, forward: passed to :func:`jax_normgrad.group_norm`.
     activation: passed to :func:`jax_normgrad.group_norm` (fused).
 
   Returns:
@@ -203,7 +204,7 @@ def group_norm(x, num_groups: int, weight, bias, *, batch_ndim: int, channels_la
   xk, kernel_out = _kernel_io(x, out_dtype)
   y = jn.group_norm(xk.reshape(shape), num_groups, _param(weight, (c,)), _param(bias, (c,)),
                     eps=eps, channel_axis=-1 if channels_last else 1, out_dtype=kernel_out,
-                    activation=activation, implementation=implementation)
+                    activation=activation, forward=forward, implementation=implementation)
   return y.reshape(x.shape).astype(out_dtype)
 
 
@@ -223,14 +224,14 @@ def empty_reduction(x, begin: int) -> bool:
 
 
 def init_with_implementation(original, extra=()):
-  """An ``__init__`` that is ``original.__init__`` plus a keyword ``implementation=None``.
+  """``original.__init__`` plus the keywords ``implementation=None`` and ``forward=None``.
 
   ``extra`` names more keywords (default None) kept the same way, e.g.
   GroupNorm's ``activation``. Its signature is shown as the original's with
   those keywords added, so ``inspect.signature`` and help() list the
   original's arguments and defaults.
   """
-  names = ("implementation",) + tuple(extra)
+  names = ("implementation", "forward") + tuple(extra)
 
   def __init__(self, *args, **kwargs):
     values = {name: kwargs.pop(name, None) for name in names}
@@ -306,7 +307,7 @@ ADD_NORM_INTRO = """
 
 
 def add_norm(layer, x, residual, weight, bias, *, begin: int, eps: float, centered: bool,
-             residual_dtype, implementation, reason, plain):
+             residual_dtype, implementation, reason, plain, forward=None):
   """The residual-form drop-ins' ``(y, h)``: one fused kernel call, or the add before ``plain``.
 
   ``reason`` None: :func:`jax_normgrad.add_layer_norm` / ``add_rms_norm``
@@ -318,7 +319,7 @@ def add_norm(layer, x, residual, weight, bias, *, begin: int, eps: float, center
   """
   if reason is None:
     kw = dict(normalized_shape=x.shape[begin:], eps=eps, residual_dtype=residual_dtype,
-              implementation=implementation)
+              forward=forward, implementation=implementation)
     if centered:
       return jn.add_layer_norm(x, residual, weight, bias, **kw)
     return jn.add_rms_norm(x, residual, weight, **kw)

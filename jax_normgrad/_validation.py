@@ -193,6 +193,17 @@ def check_implementation(implementation: Any) -> str | None:
   return implementation
 
 
+#: The layers' ``forward`` option: None (the platform's default), the kernel, or XLA's jnp forward.
+FORWARD_MODES = (None, "kernel", "xla")
+
+
+def check_forward(forward: Any) -> str:
+  """A layer's ``forward`` option as its primitive parameter: "kernel", "xla" or "auto" (None)."""
+  if forward not in FORWARD_MODES:
+    raise ValueError(f"forward: expected one of {FORWARD_MODES}, got {forward!r}")
+  return "auto" if forward is None else forward
+
+
 def check_activation(activation: Any) -> str | None:
   """None or the name of a fusable activation (``_activations.ACTIVATIONS``)."""
   from jax_normgrad._activations import ACTIVATIONS  # pylint: disable=g-import-not-at-top

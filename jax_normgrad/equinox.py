@@ -63,7 +63,8 @@ def _call(mdl, original, x, state, key, *, centered: bool):
   with jax.named_scope(f"jax_normgrad.equinox.{original.__name__}"):
     out = _layers.norm(x, _f32(mdl.weight) if mdl.use_weight else None,
                        _f32(mdl.bias) if mdl.use_bias else None, begin=0, eps=mdl.eps,
-                       centered=centered, out_dtype=x.dtype, implementation=mdl.implementation)
+                       centered=centered, out_dtype=x.dtype,
+                       implementation=mdl.implementation, forward=mdl.forward)
   return _with_state(out, state)
 
 
@@ -85,6 +86,7 @@ class LayerNorm(_LayerNorm):
   """
 
   implementation: str | None = eqx.field(static=True, default=None)
+  forward: str | None = eqx.field(static=True, default=None)
 
   __init__ = _layers.init_with_implementation(_LayerNorm)
 
@@ -110,6 +112,7 @@ class RMSNorm(_RMSNorm):
   """
 
   implementation: str | None = eqx.field(static=True, default=None)
+  forward: str | None = eqx.field(static=True, default=None)
 
   __init__ = _layers.init_with_implementation(_RMSNorm)
 
@@ -139,6 +142,7 @@ class GroupNorm(_GroupNorm):
   """
 
   implementation: str | None = eqx.field(static=True, default=None)
+  forward: str | None = eqx.field(static=True, default=None)
   activation: str | None = eqx.field(static=True, default=None)
 
   __init__ = _layers.init_with_implementation(_GroupNorm, extra=("activation",))
@@ -166,7 +170,8 @@ class GroupNorm(_GroupNorm):
       out = _layers.group_norm(x, self.groups, _f32(self.weight) if affine else None,
                                _f32(self.bias) if affine else None, batch_ndim=0,
                                channels_last=False, eps=self.eps, out_dtype=x.dtype,
-                               implementation=self.implementation, activation=self.activation)
+                               implementation=self.implementation, forward=self.forward,
+                               activation=self.activation)
     return _with_state(out, state)
 
 
@@ -187,7 +192,7 @@ def _add_call(mdl, plain, x, residual, state, key, *, centered: bool):
   with jax.named_scope(name):
     y, h = _layers.add_norm(name, x, residual, weight, bias if centered else None, begin=0,
                             eps=mdl.eps, centered=centered, residual_dtype=mdl.residual_dtype,
-                            implementation=mdl.implementation, reason=reason,
+                            implementation=mdl.implementation, forward=mdl.forward, reason=reason,
                             plain=lambda h: plain.__call__(mdl, h, key=key).astype(x.dtype))
   if not centered and reason is None and bias is not None:
     y = y + bias  # float32 x and y: one float32 add, as equinox's

@@ -61,7 +61,7 @@ def _linen_norm(mdl, original, x, mask, *, centered: bool):
   trailing = tuple(feature_shape[begin:])
   scale, bias = (params[n].reshape(trailing) if n in params else None for n in ("scale", "bias"))
   return _layers.norm(x, scale, bias, begin=begin, eps=mdl.epsilon, centered=centered,
-                      out_dtype=out_dtype, implementation=mdl.implementation)
+                      out_dtype=out_dtype, implementation=mdl.implementation, forward=mdl.forward)
 
 
 def _option_reason(mdl, mask):
@@ -119,6 +119,7 @@ class LayerNorm(_LayerNorm):
   """
 
   implementation: str | None = None
+  forward: str | None = None
 
   @nn.compact
   def __call__(self, x, *, mask: jax.Array | None = None):
@@ -142,6 +143,7 @@ class RMSNorm(_RMSNorm):
   """
 
   implementation: str | None = None
+  forward: str | None = None
 
   @nn.compact
   def __call__(self, x, *, mask: jax.Array | None = None):
@@ -185,6 +187,7 @@ class GroupNorm(_GroupNorm):
   """
 
   implementation: str | None = None
+  forward: str | None = None
   activation: str | None = None
 
   @nn.compact
@@ -210,7 +213,8 @@ class GroupNorm(_GroupNorm):
     out_dtype = flax_dtypes.canonicalize_dtype(x, *params, dtype=self.dtype)
     return _layers.group_norm(x, groups, *params, batch_ndim=begin, channels_last=True,
                               eps=self.epsilon, out_dtype=out_dtype,
-                              implementation=self.implementation, activation=self.activation)
+                              implementation=self.implementation, forward=self.forward,
+                              activation=self.activation)
 
 
 def _linen_add_norm(mdl, plain, x, residual, *, centered: bool):
@@ -235,13 +239,15 @@ def _linen_add_norm(mdl, plain, x, residual, *, centered: bool):
   if reason is not None:
     return _layers.add_norm(f"jax_normgrad.flax.{type(mdl).__name__}", x, residual, None, None,
                             begin=begin, eps=mdl.epsilon, centered=centered,
-                            residual_dtype=mdl.residual_dtype, implementation=mdl.implementation,
+                            residual_dtype=mdl.residual_dtype,
+                            implementation=mdl.implementation, forward=mdl.forward,
                             reason=reason, plain=lambda h: plain.__call__(mdl, h))
   params = {name: mdl.param(name, init, param_shape, mdl.param_dtype)
             for name, init, used in names if used}
   return _layers.add_norm("", x, residual, params.get("scale"), params.get("bias"), begin=begin,
                           eps=mdl.epsilon, centered=centered, residual_dtype=mdl.residual_dtype,
-                          implementation=mdl.implementation, reason=None, plain=None)
+                          implementation=mdl.implementation, forward=mdl.forward,
+                          reason=None, plain=None)
 
 
 _ADD_DOC = _layers.ADD_NORM_INTRO + """

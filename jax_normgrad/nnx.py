@@ -65,7 +65,8 @@ def _nnx_norm(mdl, original, x, mask, *, centered: bool):
   trailing = tuple(feature_shape[begin:])
   scale, bias = (None if p is None else p.reshape(trailing) for p in (scale, bias))
   return _layers.norm(_kernel_x(mdl, x, xp), scale, bias, begin=begin, eps=mdl.epsilon,
-                      centered=centered, out_dtype=out_dtype, implementation=mdl.implementation)
+                      centered=centered, out_dtype=out_dtype,
+                      implementation=mdl.implementation, forward=mdl.forward)
 
 
 def _dtype(a):
@@ -188,7 +189,8 @@ class GroupNorm(_GroupNorm):
       return _layers.activate(_GroupNorm.__call__(self, x, mask=mask), self.activation)
     return _layers.group_norm(_kernel_x(self, x, xp), self.num_groups, scale, bias, batch_ndim=1,
                               channels_last=True, eps=self.epsilon, out_dtype=out_dtype,
-                              implementation=self.implementation, activation=self.activation)
+                              implementation=self.implementation, forward=self.forward,
+                              activation=self.activation)
 
 
 def _nnx_add_norm(mdl, plain, x, residual, *, centered: bool):
@@ -212,7 +214,8 @@ def _nnx_add_norm(mdl, plain, x, residual, *, centered: bool):
     scale, bias = (None if p is None else p.reshape(trailing) for p in (scale, bias))
   return _layers.add_norm(f"jax_normgrad.nnx.{type(mdl).__name__}", x, residual, scale, bias,
                           begin=begin, eps=mdl.epsilon, centered=centered,
-                          residual_dtype=mdl.residual_dtype, implementation=mdl.implementation,
+                          residual_dtype=mdl.residual_dtype,
+                          implementation=mdl.implementation, forward=mdl.forward,
                           reason=reason, plain=lambda h: plain.__call__(mdl, h))
 
 

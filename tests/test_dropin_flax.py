@@ -178,15 +178,16 @@ def test_linen_model_swap_keeps_checkpoints():
 
 
 def test_linen_attributes_are_flax_attributes():
-  """Every flax attribute with its default, in flax's order; ``implementation`` added last
-  (GroupNorm: then ``activation``)."""
+  """Every flax attribute with its default, in flax's order; ``implementation`` and ``forward``
+  added last (GroupNorm: then ``activation``)."""
   import dataclasses
   for name in ("LayerNorm", "RMSNorm", "GroupNorm"):
     flax_fields = [(f.name, f.default) for f in dataclasses.fields(getattr(nn, name))
                    if f.name not in ("parent", "name")]
     our_fields = [(f.name, f.default) for f in dataclasses.fields(getattr(jf, name))
                   if f.name not in ("parent", "name")]
-    extra = [("implementation", None)] + ([("activation", None)] if name == "GroupNorm" else [])
+    extra = [("implementation", None), ("forward", None)] + (
+        [("activation", None)] if name == "GroupNorm" else [])
     assert our_fields == flax_fields + extra
     assert issubclass(getattr(jf, name), getattr(nn, name))
 
@@ -248,7 +249,7 @@ def test_nnx_constructor_is_flax_constructor():
   for name in ("LayerNorm", "RMSNorm", "GroupNorm"):
     ours = inspect.signature(getattr(jx, name).__init__).parameters
     theirs = inspect.signature(getattr(nnx, name).__init__).parameters
-    extra = ["implementation"] + (["activation"] if name == "GroupNorm" else [])
+    extra = ["implementation", "forward"] + (["activation"] if name == "GroupNorm" else [])
     assert list(ours)[:len(theirs)] == list(theirs) and list(ours)[len(theirs):] == extra
     assert all(ours[p].default is theirs[p].default for p in theirs)
   m = jx.LayerNorm(8, rngs=nnx.Rngs(0), implementation="xla")

@@ -23,11 +23,13 @@ class _AddConfig(NamedTuple):
   x_dtype: jnp.dtype
   residual_dtype: jnp.dtype
   implementation: str | None
+  forward: str = "auto"  # v.check_forward's: "kernel", "xla" or "auto".
 
 
 def _forward(x, residual, weight, bias, cfg):
   y, mean, rstd, _, h = _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation,
-                             centered=cfg.centered, residual=residual, h_dtype=cfg.h_dtype)
+                             centered=cfg.centered, residual=residual, h_dtype=cfg.h_dtype,
+                             forward=cfg.forward)
   return y, h, mean, rstd
 
 
@@ -103,12 +105,12 @@ def _check_residual(residual, x):
 
 
 def _add_norm(x, residual, weight, bias, normalized_shape, eps, residual_dtype, implementation,
-              centered):
+              centered, forward=None):
   x, norm_shape, weight, bias = _check_forward_args(x, normalized_shape, weight, bias)
   residual = _check_residual(residual, x)
   cfg = _AddConfig(len(norm_shape), v.check_eps(eps), centered,
                    v.check_out_dtype(residual_dtype, x, name="residual_dtype"), x.dtype,
-                   residual.dtype, v.check_implementation(implementation))
+                   residual.dtype, v.check_implementation(implementation), v.check_forward(forward))
   return _add_norm_layer(x, residual, weight, bias, cfg)
 
 
@@ -140,7 +142,7 @@ _SHARED_DOC = """
 
 
 def add_layer_norm(x, residual, weight=None, bias=None, *, normalized_shape=None, eps=1e-5,
-                   residual_dtype=None, implementation=None):
+                   residual_dtype=None, forward=None, implementation=None):
   """Fused residual add + LayerNorm of a pre-norm block: ``h = x + residual``, ``y = layer_norm(h)``.
 {shared}
   Args:
@@ -150,6 +152,9 @@ def add_layer_norm(x, residual, weight=None, bias=None, *, normalized_shape=None
     normalized_shape: int or tuple of x's trailing dims; None: ``x.shape[-1:]``.
     eps: float >= 0.
     residual_dtype: ``h``'s dtype: None (x's dtype) or float32.
+    forward: None (the platform's default), ``"kernel"`` or ``"xla"`` (the
+      jnp add and norm, fused by XLA with its neighbours; the backward is
+      the kernel either way); see :func:`jax_normgrad.layer_norm`.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -159,11 +164,11 @@ def add_layer_norm(x, residual, weight=None, bias=None, *, normalized_shape=None
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
   """
   return _add_norm(x, residual, weight, bias, normalized_shape, eps, residual_dtype,
-                   implementation, centered=True)
+                   implementation, centered=True, forward=forward)
 
 
 def add_rms_norm(x, residual, weight=None, *, normalized_shape=None, eps=1e-6, residual_dtype=None,
-                 implementation=None):
+                 forward=None, implementation=None):
   """Fused residual add + RMSNorm of a pre-norm block: ``h = x + residual``, ``y = rms_norm(h)``.
 {shared}
   Args:
@@ -173,6 +178,9 @@ def add_rms_norm(x, residual, weight=None, *, normalized_shape=None, eps=1e-6, r
     normalized_shape: int or tuple of x's trailing dims; None: ``x.shape[-1:]``.
     eps: float >= 0.
     residual_dtype: ``h``'s dtype: None (x's dtype) or float32.
+    forward: None (the platform's default), ``"kernel"`` or ``"xla"`` (the
+      jnp add and norm, fused by XLA with its neighbours; the backward is
+      the kernel either way); see :func:`jax_normgrad.layer_norm`.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -182,7 +190,7 @@ def add_rms_norm(x, residual, weight=None, *, normalized_shape=None, eps=1e-6, r
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
   """
   return _add_norm(x, residual, weight, None, normalized_shape, eps, residual_dtype,
-                   implementation, centered=False)
+                   implementation, centered=False, forward=forward)
 
 
 for _f in (add_layer_norm, add_rms_norm):

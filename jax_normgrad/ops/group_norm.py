@@ -44,13 +44,17 @@ def _check_params(weight, bias, x, c, weight_name="weight", bias_name="bias"):
 
 
 def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation, y_dtype=None,
-         activation=None):
-  """Canonical forward: y with x's shape in ``y_dtype`` (None: x's), float32 (N, G) mean and rstd."""
+         activation=None, forward="kernel"):
+  """Canonical forward: y with x's shape in ``y_dtype`` (None: x's), float32 (N, G) mean and rstd.
+
+  ``forward``: what lowers it (see ``_implementation.forward_implementation``).
+  """
   y, mean, rstd = _sharding.bind(
       group_norm_fwd_p, x.reshape(_canonical_shape(n, c, hw, channels_last)),
       *present(as_f32(weight, (1, c)), as_f32(bias, (1, c))), eps=eps, group=group,
       channels_last=channels_last, has_weight=weight is not None, has_bias=bias is not None,
-      param_groups=1, y_dtype=y_dtype, activation=activation, implementation=implementation)
+      param_groups=1, y_dtype=y_dtype, activation=activation, implementation=implementation,
+      forward=forward)
   return y.reshape(x.shape), mean, rstd
 
 
@@ -170,23 +174,23 @@ def group_norm_backward(grad_out, x, mean, rstd, gamma, N, C, HxW, group,
   return dx, cast(dg), cast(db)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9, 10))
 def _group_norm(x, weight, bias, layout, group, eps, channels_last, implementation, out_dtype,
-                activation):
+                activation, forward):
   return _fwd(x, weight, bias, *layout, group, eps, channels_last, implementation, out_dtype,
-              activation)[0]
+              activation, forward)[0]
 
 
 def _group_norm_vjp_fwd(x, weight, bias, layout, group, eps, channels_last, implementation,
-                        out_dtype, activation):
+                        out_dtype, activation, forward):
   y, mean, rstd = _fwd(x, weight, bias, *layout, group, eps, channels_last, implementation,
-                       out_dtype, activation)
+                       out_dtype, activation, forward)
   return y, (x, mean, rstd, weight, bias)
 
 
 def _group_norm_vjp_bwd(layout, group, eps, channels_last, implementation, out_dtype, activation,
-                        res, dy):
-  del eps, out_dtype  # dy arrives in y's dtype; dx is in x's.
+                        forward, res, dy):
+  del eps, out_dtype, forward  # dy arrives in y's dtype; dx is in x's.
   x, mean, rstd, weight, bias = res
   mask = (True, weight is not None, bias is not None)
   n, c, hw = layout
@@ -203,7 +207,7 @@ _group_norm.defvjp(_group_norm_vjp_fwd, _group_norm_vjp_bwd)
 
 
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=1,
-               out_dtype=None, activation=None, implementation=None):
+               out_dtype=None, activation=None, forward=None, implementation=None):
   """Differentiable GroupNorm whose backward runs the backward kernel.
 
   ``x`` has the batch at axis 0 and channels at ``channel_axis``: ``1`` is
@@ -231,6 +235,10 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
       and the statistics, so it is never stored or read: one pass over
       memory less each way than ``jax.nn.silu(group_norm(x))``, and one
       activation fewer kept for the backward.
+    forward: None (the platform's default), ``"kernel"`` or ``"xla"``: the
+      jnp forward (and activation), which XLA fuses with the ops around it;
+      the backward kernel still recomputes the pre-activation value. See
+      :func:`jax_normgrad.layer_norm`.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -254,6 +262,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
   eps = v.check_eps(eps)
   out_dtype = v.check_out_dtype(out_dtype, x)
   activation = v.check_activation(activation)
+  forward = v.check_forward(forward)
   moved = 1 < axis < x.ndim - 1
   xc = jnp.moveaxis(x, axis, 1) if moved else x
   channels_last = axis == x.ndim - 1 and x.ndim > 2
@@ -267,5 +276,5 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
   if bias is not None:
     v.check_shape("bias", bias, (c,), "(C,)")
   y = _group_norm(xc, weight, bias, (n, c, hw), group, eps, channels_last, implementation,
-                  out_dtype, activation)
+                  out_dtype, activation, forward)
   return jnp.moveaxis(y, 1, axis) if moved else y

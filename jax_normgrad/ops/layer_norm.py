@@ -45,7 +45,7 @@ def _rows_and_width(x, norm_ndim):
 
 
 def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scale_offset=0.0,
-         write_xhat=False, y_dtype=None, residual=None, h_dtype=None):
+         write_xhat=False, y_dtype=None, residual=None, h_dtype=None, forward="kernel"):
   """Canonical forward (LayerNorm, or RMSNorm when not ``centered``).
 
   Returns ``(y, mean, rstd, xhat, h)``: y with x's shape, in ``y_dtype`` (None:
@@ -56,7 +56,9 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   summed in float32 and returned as ``h`` in ``h_dtype`` (None: x's
   dtype); else ``h`` is None. The leading
   dims are merged into rows on each device (see ``_sharding.bind``), so a
-  sharded batch or sequence dim stays sharded.
+  sharded batch or sequence dim stays sharded. ``forward``: what lowers it,
+  "kernel" (``implementation``), "xla" or "auto" (a layer's default, see
+  ``_implementation.forward_implementation``).
   """
   lead = x.ndim - norm_ndim
   _, h = _rows_and_width(x, norm_ndim)
@@ -69,7 +71,8 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
       layer_norm_fwd_p, x.reshape(rows), *present(None if residual is None else residual.reshape(rows)),
       *present(*kernel_params(weight, bias, (1, h), scale_offset)),
       lead=len(lead_shape), eps=eps, centered=centered, has_weight=weight is not None, has_bias=bias is not None,
-      param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype, implementation=implementation, **extra))
+      param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype, implementation=implementation,
+      forward=forward, **extra))
   y = outs.pop(0).reshape(x.shape)
   mean = outs.pop(0).reshape(x.shape[:lead]) if centered else None
   rstd = outs.pop(0).reshape(x.shape[:lead])
@@ -247,12 +250,13 @@ class _LayerConfig(NamedTuple):
   save: str  # "input": x, mean, rstd; "normalized": xhat, rstd.
   implementation: str | None
   out_dtype: jnp.dtype | None = None  # None: x's dtype; else v.check_out_dtype's.
+  forward: str = "auto"  # v.check_forward's: "kernel", "xla" or "auto".
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _norm_layer(x, weight, bias, cfg):
   return _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation, centered=cfg.centered,
-              scale_offset=cfg.scale_offset, y_dtype=cfg.out_dtype)[0]
+              scale_offset=cfg.scale_offset, y_dtype=cfg.out_dtype, forward=cfg.forward)[0]
 
 
 def _norm_layer_fwd(x, weight, bias, cfg):
@@ -262,7 +266,7 @@ def _norm_layer_fwd(x, weight, bias, cfg):
   write_xhat = normalized and (weight is not None or bias is not None or cfg.out_dtype is not None)
   y, mean, rstd, xhat, _ = _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation,
                              centered=cfg.centered, scale_offset=cfg.scale_offset,
-                             write_xhat=write_xhat, y_dtype=cfg.out_dtype)
+                             write_xhat=write_xhat, y_dtype=cfg.out_dtype, forward=cfg.forward)
   # Residuals: x or xhat in x's dtype, float32 (M,) statistics and the small
   # parameters; no float32 copy of anything tensor-sized.
   if normalized:
@@ -287,7 +291,7 @@ _norm_layer.defvjp(_norm_layer_fwd, _norm_layer_bwd)
 
 
 def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, scale_offset=0.0,
-               save="input", out_dtype=None, implementation=None):
+               save="input", out_dtype=None, forward=None, implementation=None):
   """Differentiable LayerNorm whose backward runs the backward kernel.
 
   ``y = (x - mean) * rstd * (weight + scale_offset) + bias`` over the
@@ -322,6 +326,12 @@ def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, sc
       matmuls (``layer_norm(h).astype(bfloat16)`` in one kernel): y computed
       in float32 and rounded once, its 16-bit cotangent read as it is, the
       gradient of x in float32; no float32 y is written or read.
+    forward: what computes the forward (the backward is the kernel either
+      way). ``"kernel"``: the forward kernel, a custom call. ``"xla"``: the
+      jnp forward, which XLA fuses with the ops around it (the activation,
+      a residual add, the casts), keeping the same float32 statistics for
+      the backward kernel. None: the platform's default
+      (``jax_normgrad.LAYER_FORWARD_DEFAULT``; see docs/api.md).
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -334,5 +344,5 @@ def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, sc
   cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), True,
                      v.check_scale_offset(scale_offset, weight), v.check_save(save),
                      v.check_implementation(implementation),
-                     v.check_out_dtype(out_dtype, x, narrowing=True))
+                     v.check_out_dtype(out_dtype, x, narrowing=True), v.check_forward(forward))
   return _norm_layer(x, weight, bias, cfg)

@@ -98,7 +98,7 @@ def rms_norm_backward(grad_out, x, normalized_shape, rstd, weight=None, output_m
 
 
 def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.0,
-             out_dtype=None, implementation=None):
+             out_dtype=None, forward=None, implementation=None):
   """Differentiable RMSNorm whose backward runs the backward kernel.
 
   ``y = x * rstd * (weight + scale_offset)``, ``rstd = 1 / sqrt(mean(x^2) +
@@ -122,6 +122,9 @@ def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.
       float32 parameters, y rounded once), or with a float32 x bfloat16 or
       float16 (a float32 residual stream feeding 16-bit matmuls, y rounded
       once by the kernel); see :func:`jax_normgrad.layer_norm`.
+    forward: None (the platform's default), ``"kernel"`` or ``"xla"`` (the
+      jnp forward, fused by XLA with its neighbours; the backward is the
+      kernel either way); see :func:`jax_normgrad.layer_norm`.
     implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
 
   Returns:
@@ -134,5 +137,5 @@ def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.
   cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), False,
                      v.check_scale_offset(scale_offset, weight), "input",
                      v.check_implementation(implementation),
-                     v.check_out_dtype(out_dtype, x, narrowing=True))
+                     v.check_out_dtype(out_dtype, x, narrowing=True), v.check_forward(forward))
   return _norm_layer(x, weight, None, cfg)

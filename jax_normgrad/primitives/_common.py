@@ -19,7 +19,10 @@ def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None,
   and of the parameters other than ``implementation``. It lowers
   ``implementation="xla"`` and defines the derivatives (see ``_reference_jvp_rule``).
   ``roles`` names the operands' and results' axes for the partitioning
-  rule (see ``jax_normgrad._sharding.register_roles``).
+  rule (see ``jax_normgrad._sharding.register_roles``). A forward primitive
+  may carry a ``forward`` parameter ("kernel", "xla" or "auto", see
+  ``_implementation.forward_implementation``): it picks the lowering and
+  nothing else, so the abstract evaluation and the reference never see it.
   """
   prim = Primitive(name)
   prim.multiple_results = True
@@ -41,7 +44,8 @@ def _with_varying_axes(abstract_eval):
   the type the results take.
   """
 
-  def rule(*avals, **params):
+  def rule(*avals, forward="kernel", **params):
+    del forward  # which implementation lowers a forward primitive: no bearing on its results
     outs = abstract_eval(*avals, **params)
     ref = avals[0] if avals else None
     if ref is None or not _compat.varying_axes(ref):
@@ -69,6 +73,7 @@ def _reference_jvp_rule(prim, reference_fn):
 
   def rule(primals, tangents, *, implementation, **params):
     primal_out = prim.bind(*primals, implementation=implementation, **params)
+    params.pop("forward", None)  # a forward primitive's lowering choice, not the reference's
     live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
 
     def of_live(*live_args):
