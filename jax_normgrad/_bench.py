@@ -37,7 +37,7 @@ def warm_up(call: Callable[[], Any], count: int, ms: float = 0.0) -> None:
 
 def call_times_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15,
                   min_time_s: float = 0.0, batch_ms: float = 0.0,
-                  warmup_ms: float = 0.0) -> list[float]:
+                  warmup_ms: float = 0.0, block: Callable | None = None) -> list[float]:
   """Wall times of ``iters`` calls ``fn(*args)`` (and more until ``min_time_s``), ms, after warm-up.
 
   The warm-up is ``warmup`` calls, then more until ``warmup_ms`` have
@@ -49,20 +49,23 @@ def call_times_ms(fn: Callable, *args, warmup: int = 3, iters: int = 15,
   ``batch_ms``. On a GPU a call's dispatch and synchronisation cost tens of
   microseconds, about as long as a norm kernel over 100 MB; issued back to
   back, the calls queue on the device and the sample is the kernels' time.
-  ``fn`` must not donate its arguments.
+  ``fn`` must not donate its arguments. ``block(results)`` waits for the
+  results (default ``jax.block_until_ready``; another framework's calls,
+  such as PyTorch's, pass its synchronize, and are timed the same way).
   """
-  warm_up(lambda: jax.block_until_ready(fn(*args)), warmup, warmup_ms)
+  block = block or jax.block_until_ready
+  warm_up(lambda: block(fn(*args)), warmup, warmup_ms)
   k = 1
   if batch_ms > 0:
     t0 = time.perf_counter()
-    jax.block_until_ready([fn(*args) for _ in range(5)])
+    block([fn(*args) for _ in range(5)])
     per_call_ms = 1e3 * (time.perf_counter() - t0) / 5
     k = max(1, min(100, math.ceil(batch_ms / max(per_call_ms, 1e-3))))
   times = []
   start = time.perf_counter()
   while len(times) < iters or time.perf_counter() - start < min_time_s:
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args) if k == 1 else [fn(*args) for _ in range(k)])
+    block(fn(*args) if k == 1 else [fn(*args) for _ in range(k)])
     times.append(1e3 * (time.perf_counter() - t0) / k)
   return times
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import pathlib
 
 import jax
@@ -93,6 +94,8 @@ def _load_script(name):
 
 
 def test_bench_gpu_smoke_run_writes_every_column(tmp_path, capsys):
+  """Every column and the roof: each copy candidate (the Pallas copy in interpret mode, each
+  configuration tried) and the fastest; torch's columns where it imports (not in the test extra)."""
   import json
   bench_gpu = _load_script("bench_gpu.py")
   out = tmp_path / "gpu.json"
@@ -101,13 +104,86 @@ def test_bench_gpu_smoke_run_writes_every_column(tmp_path, capsys):
   rows = result["rows"]
   assert [r["kind"] for r in rows] == [k for k, _, _ in bench_gpu.SMOKE_ROWS]
   assert {"jax", "jax_normgrad"} <= set(result["versions"]) and result["machine"]["platform"]
+  torch_ran = result["peers"]["torch"] is not None
+  assert torch_ran == ("torch" in result["versions"])
+  assert result["peers"]["liger_kernel"] is None  # CUDA only
+  labels = {f"{b} B, {w} warps" for b, w in bench_gpu.SMOKE_PALLAS_COPY_CONFIGS}
   for r in rows:
-    assert r["copy_gbs"] > 0
+    assert "errors" not in r, r["errors"]
+    assert {"jnp_copy", "two_copies", "xla_neg", "pallas_copy"} <= set(r["roof"])
+    assert ("torch_clone" in r["roof"]) == torch_ran
+    assert set(r["pallas_copy"]["tried_gbs"]) == labels and r["pallas_copy"]["config"] in labels
+    assert all(c["gbs"] > 0 for c in r["roof"].values())
+    assert r["roof_gbs"] == max(c["gbs"] for c in r["roof"].values())
+    assert r["roof_gbs"] == r["roof"][r["roof_by"]]["gbs"]
     for v in bench_gpu.VARIANTS:
       assert r[f"{v}_vs_xla"] == pytest.approx(r[f"{v}_xla_ms"] / r[f"{v}_ours_ms"])
       for who in ("ours", "xla"):
-        assert r[f"{v}_{who}_of_copy"] == pytest.approx(r[f"{v}_{who}_gbs"] / r["copy_gbs"])
-  assert "GroupNorm 2x3x5x6 NHWC g3 bfloat16" in capsys.readouterr().out
+        assert r[f"{v}_{who}_of_roof"] == pytest.approx(r[f"{v}_{who}_gbs"] / r["roof_gbs"])
+    for v in ("fwd", "bwd"):
+      timed = {w: r[f"{v}_{w}_ms"] for w in bench_gpu.WHO if f"{v}_{w}_ms" in r}
+      assert set(timed) == {"ours", "xla"} | ({"torch"} if torch_ran else set())
+      assert r[f"{v}_fastest"] == min(timed, key=timed.get)
+      if torch_ran:  # the same function of the same inputs
+        assert r[f"{v}_torch_max_rel_err"] < (2e-2 if r["dtype"] == "bfloat16" else 1e-4)
+  text = capsys.readouterr().out
+  assert "GroupNorm 2x3x5x6 NHWC g3 bfloat16" in text
+  assert "forward: ms, TB/s" in text and "backward: ms, TB/s" in text
+
+
+def test_bench_gpu_pallas_copy_copies_with_a_masked_last_block():
+  """The roof's Pallas copy (interpret mode): exact, whole blocks or a masked last one."""
+  bench_gpu = _load_script("bench_gpu.py")
+  for shape, dtype in (((37, 5), jnp.float32), ((64, 8), jnp.bfloat16), ((3,), jnp.float32)):
+    x = jax.random.normal(jax.random.key(0), shape).astype(dtype)
+    for block_bytes in (64, 256):
+      y = bench_gpu.pallas_copy(x, block_bytes=block_bytes, num_warps=4, interpret=True)
+      assert y.shape == x.shape and y.dtype == x.dtype
+      np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x, np.float32))
+  with pytest.raises(ValueError, match="block_bytes"):
+    bench_gpu.pallas_copy(jnp.ones(8), block_bytes=24, num_warps=4, interpret=True)
+
+
+class _FakePeers:
+  """A stand-in for bench_gpu.Peers: a torch forward that runs (JAX's own layer), a Liger
+  backward that fails when timed, and a torch backward whose output differs from ours."""
+
+  torch = "fake"
+
+  def variants(self, kind, shape, wl):
+    ours_y = wl.ours_fwd[0](*wl.ours_fwd[1])[0]
+    ours_dx = wl.ours_bwd[0](*wl.ours_bwd[1])[0]
+
+    def fail():
+      raise RuntimeError("no CUDA here")
+
+    first = lambda a: np.asarray(a.reshape(-1).astype(jnp.float32))
+    return ({"fwd_torch": (*wl.xla_fwd, None), "bwd_torch": (*wl.xla_bwd, None),
+             "bwd_liger": (fail, (), None)},
+            {"fwd_torch": first(ours_y), "bwd_torch": 2 * first(ours_dx)},
+            {"fwd_liger": "ImportError: none"})
+
+
+def test_bench_gpu_peers_columns_and_failures():
+  """A peer's columns join the row like ours; one that fails is left out with its error."""
+  bench_gpu = _load_script("bench_gpu.py")
+  row = bench_gpu.measure("ln", (24, 40), jnp.float32, iters=1, rounds=1, peers=_FakePeers(),
+                          pallas_configs=bench_gpu.SMOKE_PALLAS_COPY_CONFIGS)
+  assert row["fwd_torch_ms"] > 0 and row["bwd_torch_ms"] > 0
+  assert row["fwd_torch_of_roof"] == pytest.approx(row["fwd_torch_gbs"] / row["roof_gbs"])
+  assert "bwd_liger_ms" not in row and "fwd_liger_ms" not in row
+  assert set(row["errors"]) == {"bwd_liger", "fwd_liger"}
+  assert "no CUDA here" in row["errors"]["bwd_liger"]
+  assert row["fwd_torch_max_rel_err"] == 0 and row["bwd_torch_max_rel_err"] == pytest.approx(1)
+  others = min(row["bwd_xla_ms"], row["bwd_torch_ms"])
+  assert row["bwd_ours_vs_best_other"] == pytest.approx(others / row["bwd_ours_ms"])
+  out = io.StringIO()
+  bench_gpu.print_table([row], out=out)
+  lines = out.getvalue().splitlines()
+  head = next(l for l in lines if l.startswith("| row |"))
+  line = next(l for l in lines if l.startswith("| LayerNorm 24x40"))
+  assert line.count("|") == head.count("|") == 8
+  assert line.split("|")[head.split("|").index(" Liger ")] == " - "  # its forward failed
 
 
 def test_bench_gpu_rows_are_the_issues():
@@ -164,6 +240,16 @@ def test_call_times_ms_batches_calls():
   times = _bench.call_times_ms(fn, jnp.ones(4), warmup=1, iters=3, batch_ms=1e6)
   assert len(times) == 3 and all(t >= 0 for t in times)
   assert len(calls) == 1 + 5 + 3 * 100  # warm-up, the estimate, 3 samples of at most 100 calls
+
+
+def test_call_times_ms_blocks_with_the_given_wait():
+  """block: another framework's wait (torch's synchronize), once per warm-up call, the
+  estimate and each sample."""
+  waits = []
+  times = _bench.call_times_ms(lambda: 1, warmup=2, iters=3, batch_ms=1e6,
+                               block=lambda results: waits.append(results))
+  assert len(times) == 3
+  assert waits[:2] == [1, 1] and waits[2] == [1] * 5 and waits[3:] == [[1] * 100] * 3
 
 
 def test_call_times_ms_warms_up_for_warmup_ms(monkeypatch):
