@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -380,6 +381,23 @@ def test_gpu_mosaic_probe_runs(capsys):
   assert "xla LayerNorm 8x128 float32 fwd: lower" in text
   assert "xla LayerNorm 8x128 float32 bwd: lower" in text and "ms/call" in text
   assert "nosuch 8x128: ValueError" in text
+
+
+@cases.needs_mosaic_gpu
+def test_gpu_mosaic_probe_lowered(capsys):
+  """``--lowered`` (no GPU): a line per case with the XLA ops outside the kernels, and one per
+  Mosaic GPU kernel with its lowering time and module size; JAX's lowering is restored."""
+  from jax.experimental.mosaic.gpu import core
+  rule = core._mosaic_gpu_lowering_rule
+  probe = _load_script("gpu_mosaic_probe.py")
+  assert probe.main(["--lowered", "--shapes", "64x256", "--dtype", "float32"]) == 0
+  assert core._mosaic_gpu_lowering_rule is rule
+  text = capsys.readouterr().out
+  bwd = re.search(r"LayerNorm 64x256 float32 bwd: export .* XLA ops outside the kernels (\d+)",
+                  text)
+  assert bwd and int(bwd.group(1)) < 200, text
+  assert re.search(r"  jax_normgrad_norm_bwd: lowered in [\d.]+ s, \d+ ops \(\d+ scf.for\)", text)
+  assert "jax_normgrad_norm_bwd_sums: lowered" in text  # GroupNorm's
 
 
 def test_gpu_trace_smoke_run(tmp_path):

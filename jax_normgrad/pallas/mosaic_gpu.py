@@ -17,7 +17,8 @@ Design (``config.mosaic_gpu_plan`` has the numbers):
 * Outputs (y, dx) are written to SMEM and stored by TMA, double-buffered too.
 * dweight / dbias: float32 partial sums per CTA, kept in SMEM across its rows
   and stored once; the partials are summed over CTAs in a fixed order
-  (``common.sum_partials``): bitwise deterministic, no atomics.
+  (``_fixed_order``: a pairwise tree in XLA, its HLO small for hundreds of
+  CTAs): bitwise deterministic, no atomics.
 * Rows whose length is not a multiple of the width are padded with zeros in
   XLA (the TMA box must match the SMEM buffer, and a copy must move a multiple
   of 128 bytes): an extra copy of x / dy for such shapes, none for the usual
@@ -570,7 +571,7 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
     if m:
       part = outs.pop(0)
       part = part.reshape(part.shape[:2] + (plan.padded,))[..., :seg.b]
-      sums.append(common.sum_partials(part))
+      sums.append(_ordered_sum(part, 1))
     else:
       sums.append(None)
   return (dx, *sums)
@@ -708,19 +709,45 @@ class _GroupRows:
     return jnp.repeat(p.astype(F32), seg.per_group, axis=0)
 
 
-def _ordered_sum(a, axis: int):
-  """``a`` summed over ``axis`` in index order (a sequential chain of adds).
+#: Up to this many terms a fixed-order reduction in XLA (``_fixed_order``) is a chain; more,
+#: a pairwise tree.
+_CHAIN_TERMS = 16
 
-  XLA does not reassociate a chain of elementwise adds, so the result is
-  bitwise reproducible, unlike a ``reduce`` whose order is the compiler's.
+
+def _fixed_order(parts, combine):
+  """``parts`` (a tuple of arrays, the terms along axis 0) reduced by ``combine`` in a fixed order.
+
+  Up to ``_CHAIN_TERMS`` terms: in index order, one after another. More: a
+  pairwise tree, terms (0, 1), (2, 3), ... combined level by level, an odd
+  last one carried up unchanged. Either way XLA is given a fixed expression
+  of elementwise ops, which it does not reassociate, so the result is
+  bitwise reproducible (unlike a ``reduce``, whose order is the compiler's).
+  The tree's HLO grows with log2 of the terms, not with their number: as a
+  chain, the row backward's 500-odd CTA partials were 3K HLO ops (1022 adds,
+  1024 slices) around a kernel of 1.9K ops, and that backward compiled in
+  11-14 s on an H200 (jax 0.11.2), where the forward (a kernel of 1.5K ops,
+  no partials) compiled in 0.3 s (``benchmarks/gpu_mosaic_probe.py``). A
+  ``fori_loop`` instead is an XLA while loop: a kernel launch per term.
   """
-  a = jnp.moveaxis(a, axis, 0)
-  if a.shape[0] <= 16:
-    total = a[0]
-    for j in range(1, a.shape[0]):
-      total = total + a[j]
-    return total
-  return lax.fori_loop(1, a.shape[0], lambda j, acc: acc + a[j], a[0])
+  n = parts[0].shape[0]
+  if n <= _CHAIN_TERMS:
+    state = tuple(p[0] for p in parts)
+    for j in range(1, n):
+      state = combine(state, tuple(p[j] for p in parts))
+    return state
+  while n > 1:
+    even = n - n % 2
+    merged = combine(tuple(p[0:even:2] for p in parts), tuple(p[1:even:2] for p in parts))
+    if n % 2:
+      merged = tuple(jnp.concatenate([m, p[even:]]) for m, p in zip(merged, parts))
+    parts, n = merged, (n + 1) // 2
+  return tuple(p[0] for p in parts)
+
+
+def _ordered_sum(a, axis: int):
+  """``a`` summed over ``axis`` in a fixed order (``_fixed_order``): bitwise reproducible."""
+  total, = _fixed_order((jnp.moveaxis(a, axis, 0),), lambda x, y: (x[0] + y[0],))
+  return total
 
 
 def _coef_reader(launch, rows: _GroupRows, refs, buf, barrier, w):
@@ -979,8 +1006,8 @@ def _gn_apply(rows: _GroupRows, plan, x, dy, m, q, r, p, *, interpret, activatio
 def _moments(rows: _GroupRows, a, b, counts):
   """Per (i, c) ``(mean, M2)`` over the spatial axis from the sums kernel's forward outputs.
 
-  Channels-last: the CTA partials merged in CTA order (Chan's formula); NCHW
-  rows in pieces: the pieces, in order.
+  Channels-last: the CTA partials merged in a fixed order (Chan's formula,
+  ``_fixed_order``); NCHW rows in pieces: the pieces, in order.
   """
   if rows.per_row:
     if rows.pieces == 1:
@@ -990,13 +1017,9 @@ def _moments(rows: _GroupRows, a, b, counts):
     for j in range(1, rows.pieces):
       state = common.combine_moments(state, (counts[j], a[..., j], b[..., j]))
     return state[1], state[2]
-  counts = jnp.asarray(counts, F32)
-
-  def merge(j, state):
-    n, mean, m2 = common.combine_moments(state, (counts[j], a[:, j], b[:, j]))
-    return n, mean, m2
-
-  _, mean, m2 = lax.fori_loop(1, a.shape[1], merge, (counts[0], a[:, 0], b[:, 0]))
+  counts = jnp.asarray(counts, F32).reshape(-1, 1, 1)
+  _, mean, m2 = _fixed_order((counts, jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)),
+                             common.combine_moments)
   return mean, m2
 
 
@@ -1038,7 +1061,7 @@ def _group_backward(dy, x, mean, rstd, gamma, beta, *, seg: common.Segments, mas
     ag, ab = rows.per_sample(gamma), rows.per_sample(beta)
   s_dy, s_dyx, _ = _gn_sums(rows, sums_plan, x, dy, m, s, interpret=interpret,
                             activation=activation, ag=ag, ab=ab)
-  if not rows.per_row:  # CTA partials, in CTA order
+  if not rows.per_row:  # CTA partials, in a fixed order
     s_dy, s_dyx = _ordered_sum(s_dy, 1), _ordered_sum(s_dyx, 1)
   elif rows.pieces > 1:  # pieces, in order
     s_dy, s_dyx = _ordered_sum(s_dy, 2), _ordered_sum(s_dyx, 2)
@@ -1217,5 +1240,5 @@ def _long_backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, m
       continue
     part = outs.pop(0).reshape(seg.param_groups, pieces, launch.ctas, length)
     part = jnp.moveaxis(part, 1, 2).reshape(seg.param_groups, launch.ctas, pieces * length)
-    sums.append(common.sum_partials(part[..., :seg.b]))
+    sums.append(_ordered_sum(part[..., :seg.b], 1))
   return (dx, *sums)
