@@ -97,6 +97,9 @@ ROWS = [
     ("gn_nhwc", (8, 256, 64, 64, 32), jnp.float32),
     ("gn", (8, 256, 64, 64, 32), jnp.bfloat16),
     ("gn_nhwc", (8, 256, 64, 64, 32), jnp.bfloat16),
+    # A UNet's largest GroupNorm (benchmarks/bench_models.py at batch 32): 32 groups of 2 channels.
+    ("gn_nhwc", (32, 64, 32, 32, 32), jnp.float32),
+    ("gn_nhwc", (32, 64, 32, 32, 32), jnp.bfloat16),
 ]
 # The same kinds at tiny sizes, odd widths included (CPU smoke test).
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("rms", (16, 72), jnp.bfloat16),

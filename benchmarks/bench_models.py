@@ -477,7 +477,8 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
     row[f"{v}_custom_calls"] = custom_calls(compiled[v][2])
     if profile_rounds:
       row[f"{v}_op_ms"] = {k: float(np.median([t[k] for t in op_times[v]]))
-                           for k in ("ops", "matmul", "other", "norm") if k in op_times[v][0]}
+                           for k in ("ops", "matmul", "other", "norm", "launches")
+                           if k in op_times[v][0]}
       if top_kernels:
         row[f"{v}_op_ms"]["kernels"] = op_times[v][-1]["kernels"]
   flax_ms, none_ms = row["flax_ms"], row["identity_ms"]
@@ -521,7 +522,8 @@ def print_row(row: dict):
     if f"{v}_op_ms" in row:
       op = row[f"{v}_op_ms"]
       extra += (f"\n{'':12s}op time {op['ops']:.2f} ms: matmuls {op['matmul']:.2f}, other "
-                f"{op['other']:.2f}" + (f" (norm kernels {op['norm']:.2f})" if "norm" in op else ""))
+                f"{op['other']:.2f}" + (f" (norm kernels {op['norm']:.2f})" if "norm" in op else "")
+                + (f"; {op['launches']:g} launches" if "launches" in op else ""))
       if row.get(f"{v}_saves_by_op_time") is not None:
         extra += f"; saves {100 * row[f'{v}_saves_by_op_time']:.1f}% of the norms' op time"
       if row.get(f"{v}_saves_by_op_time_vs_affine") is not None:

@@ -32,6 +32,8 @@
 #   third-party    examples/third_party_unet.py --size gpu: flaxdiff's UNet, flax / drop-ins with
 #                  the kernel forward / with XLA's forward / identities (needs wheels)
 #   forward-tests  tests/test_forward.py, test_layers.py and the drop-in suites on the GPU
+#   gn-check       benchmarks/gpu_check_group_norm.py: GroupNorm's kernels against XLA at a UNet's
+#                  shapes (a quick correctness check before timing)
 # Each stage's time limit is its own cap or what is left of the budget, whichever is less.
 # env.txt (nvidia-smi, versions) is always written first. The last lines printed are a
 # summary (the device tool returns the end of the output); at the end every file in $OUT
@@ -90,7 +92,8 @@ for stage in $stages; do
            timeout "$(cap 90)" python3 -m jax_normgrad --no-timing --no-progress; echo "rc=$?")
       done >>"$OUT/selfcheck.txt" 2>&1 ;;
     bench)
-      PYTHONPATH=$(srcpath) timeout "$(cap 170)" python3 benchmarks/bench_gpu.py --out "$OUT/bench_main.json" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 PYTHONPATH=$(srcpath) timeout "$(cap 210)" python3 \
+        benchmarks/bench_gpu.py --out "$OUT/bench_main.json" ${BENCH_ARGS:-} \
         >>"$OUT/bench.log" 2>&1
       echo "bench main rc=$? at $((SECONDS - start)) s" >>"$OUT/bench.log" ;;
     residual)
@@ -113,7 +116,7 @@ for stage in $stages; do
       echo "sweep rc=$? at $((SECONDS - start)) s" >>"$OUT/sweep.log" ;;
     mosaic-probe)
       PYTHONUNBUFFERED=1 PYTHONPATH=$(srcpath) timeout "$(cap 120)" python3 \
-        benchmarks/gpu_mosaic_probe.py >"$OUT/mosaic_probe.log" 2>&1
+        benchmarks/gpu_mosaic_probe.py ${PROBE_ARGS:-} >"$OUT/mosaic_probe.log" 2>&1
       echo "mosaic probe rc=$? at $((SECONDS - start)) s" >>"$OUT/mosaic_probe.log" ;;
     trace)
       PYTHONPATH=$(srcpath) timeout "$(cap 120)" python3 benchmarks/gpu_trace.py --out "$OUT/trace" \
@@ -144,6 +147,10 @@ for stage in $stages; do
         --size gpu --rounds 5 --iters 20 --variants flax,ours_kernel,ours_xla,none \
         >"$OUT/third_party.log" 2>&1
       echo "third-party rc=$? at $((SECONDS - start)) s" >>"$OUT/third_party.log" ;;
+    gn-check)
+      PYTHONPATH=$(srcpath) timeout "$(cap 60)" python3 benchmarks/gpu_check_group_norm.py \
+        >"$OUT/gn_check.log" 2>&1
+      echo "gn-check rc=$? at $((SECONDS - start)) s" >>"$OUT/gn_check.log" ;;
     forward-tests)
       pytest_run pytest_forward.log "$(cap 100 10)" PYTHONPATH=$(srcpath) -- \
         --junitxml="$OUT/junit_forward.xml" tests/test_forward.py tests/test_layers.py \
@@ -164,6 +171,7 @@ grep -E "^==|rc=|rror" "$OUT/trace.log" 2>/dev/null | head -14
 grep -E " fwd: | bwd: |rc=|rror|^Thread|^  File" "$OUT/mosaic_probe.log" 2>/dev/null | head -24
 grep -E "^(unet|pre-norm)|^  [a-z_]+ +[0-9.]+ ms|norms:|rc=|rror" "$OUT/models.log" 2>/dev/null | head -40
 grep -E "^flaxdiff|^one training|^  ours|rc=|rror" "$OUT/third_party.log" 2>/dev/null | head -8
+cat "$OUT/gn_check.log" 2>/dev/null | tail -14
 tail -1 "$OUT/wheels.log" 2>/dev/null
 for log in pytest.log pytest_mosaic.log pytest_forward.log; do
   [ -f "$OUT/$log" ] || continue

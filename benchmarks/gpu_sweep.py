@@ -49,7 +49,11 @@ ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
         # forward + backward (add_*; "+f32" a float32 residual stream).
         ("add_ln", (16384, 4096), jnp.bfloat16), ("add_rms", (16384, 4096), jnp.float32),
         ("add_rms", (32768, 1024), jnp.float32), ("add_rms+f32", (16384, 4096), jnp.bfloat16),
-        ("add_ln", (16384, 4096), jnp.float32)]
+        ("add_ln", (16384, 4096), jnp.float32),
+        # A UNet's channels-last GroupNorms (32 groups of 2 and 8 channels, batch 32): the
+        # sample-wide kernels, split or whole, against the per-group ones (2026-11-27).
+        ("gn_nhwc", (32, 64, 32, 32, 32), jnp.float32), ("gn_nhwc", (32, 64, 32, 32, 32), jnp.bfloat16),
+        ("gn_nhwc", (32, 256, 8, 8, 32), jnp.float32)]
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32),
               ("add_rms+f32", (24, 40), jnp.bfloat16)]
 #: name -> config.Tuning changes. "default" is the package's own.
@@ -78,6 +82,10 @@ CONFIGS = {
     "res_fwd_e16": {"gpu_fwd_residual_elems_per_thread": 16},
     # The residual form's backward loading dh with x and dy (config.gpu_bwd_early_dh).
     "bwd_early_dh": {"gpu_bwd_early_dh": True},
+    # Channels-last GroupNorm with narrow groups: the sample-wide kernels unsplit (one
+    # persistent kernel each way), and the per-group kernels (the rule before 2026-11-27).
+    "nhwc_whole": {"gpu_nhwc_split": False},
+    "nhwc_per_group": {"gpu_nhwc_group_bytes": 0},
 }
 
 

@@ -513,7 +513,8 @@ def step_op_ms(step, args, calls: int = 5, top: int = 0, hlo_text: str | None = 
   the dots and convolutions (and fusions containing one; on a GPU the
   kernels named as ``GPU_MATMUL_KERNEL``), ``other`` the rest: the
   memory-bound passes a norm's implementation changes. On a GPU also
-  ``norm``, this package's kernels (part of ``other``), and with ``top``
+  ``norm``, this package's kernels (part of ``other``), ``launches``, the
+  kernels (and memsets) run per call, and with ``top``
   the ``top`` largest kernels as ``kernels``: ``[name, us per call,
   launches per call]``. Summed op durations, not wall time (ops the runtime
   runs concurrently both count). Uses a ``jax.profiler`` trace
@@ -548,6 +549,7 @@ def step_op_ms(step, args, calls: int = 5, top: int = 0, hlo_text: str | None = 
          "other": (ops - matmul) / calls / 1e3}
   if gpus:
     out["norm"] = norm / calls / 1e3
+    out["launches"] = sum(launches.values()) / calls
   if top:
     out["kernels"] = [[k, round(v / calls, 2), launches[k] / calls]
                       for k, v in per_kernel.most_common(top)]

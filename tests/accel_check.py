@@ -223,6 +223,10 @@ def _cases() -> list[Case]:
     cases += _gn_cases((8, 16, 16, 320), 32, -1, dtype)    # C not a multiple of 128
   cases += _gn_cases((4, 512, 64, 64), 32, 1, F32) + _gn_cases((4, 64, 64, 512), 32, -1, F32)
   cases += _gn_cases((2, 96, 7, 9), 3, 1, BF16) + _gn_cases((2, 7, 9, 96), 3, -1, BF16)
+  # A UNet's channels-last GroupNorms, 32 groups of 2 to 8 channels: the sample-wide kernels
+  # (config.gpu_nhwc_plan), chunked at 32x32 pixels, one tile at 8x8.
+  for dtype in (F32, BF16):
+    cases += _gn_cases((32, 32, 32, 64), 32, -1, dtype) + _gn_cases((32, 8, 8, 256), 32, -1, dtype)
   return cases + _op_cases() + _residual_cases()
 
 

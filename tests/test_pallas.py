@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import re
 import warnings
 
 import jax
@@ -136,7 +137,8 @@ def _kernels(backend, tiny):
   """Interprets the ``backend`` ("gpu" / "tpu") kernels, with tiny tiles if asked."""
   tuning = dict(interpret_backend=backend)
   if tiny:
-    tuning.update(gpu_max_tile_bwd=256, gpu_max_tile_fwd=256, tpu_block_elems=2048)
+    tuning.update(gpu_max_tile_bwd=256, gpu_max_tile_fwd=256, tpu_block_elems=2048,
+                  gpu_nhwc_max_tile_fwd=128, gpu_nhwc_max_tile_bwd=64)
   # The tuning is read when a function is lowered: the tests lower fresh
   # jax.jit(lambda ...) functions inside, so no compiled function is reused.
   with config.override(**tuning):
@@ -197,13 +199,20 @@ def test_layer_norm_primitives_interpreted(rng, dtype, mask, has_weight, backend
 
 # (N, C, HW, group, channels_last, param_groups, tiny tiles): with tiny tiles,
 # ragged chunks of the spatial axis in both layouts and of the channel axis
-# (C/G = 40); with the default tiles, segments fused in one block.
+# (C/G = 40); with the default tiles, segments fused in one block. Channels-last
+# groups of a few power-of-two channels run the GPU's sample-wide kernels
+# (config.gpu_nhwc_plan; C = 12 and 48: padding groups, 24 of 2 channels
+# padded to 32); groups of 24 channels (not a power of two) and of 16 float32
+# ones (64 bytes) the per-group kernels.
 GN_SHAPES = [
     (6, 12, 300, 3, False, 2, True),
     (6, 12, 300, 3, True, 2, True),
     (2, 40, 3, 1, False, 1, True),
     (4, 24, 20, 6, False, 1, False),
     (4, 24, 20, 6, True, 1, False),
+    (6, 48, 50, 24, True, 3, True),
+    (3, 48, 50, 2, True, 1, True),
+    (2, 64, 30, 4, True, 1, False),
 ]
 GN_RUNS = rotate([s + (b,) for s in GN_SHAPES for b in ("gpu", "tpu")], DTYPES, MASKS)
 
@@ -241,6 +250,58 @@ def test_group_norm_primitives_interpreted(rng, dtype, mask, n, c, hw, group, ch
     else:
       assert out.dtype == F32 and out.shape == (w, c)
       assert_close(out, expected, F32, n // w * hw, name)
+
+
+@pytest.mark.parametrize("parts,activation", [(1, None), (2, "silu"), (13, None), (13, "gelu")])
+def test_channels_last_sample_wide_kernels_split_and_vmapped(rng, parts, activation):
+  """The GPU's sample-wide channels-last kernels (config.gpu_nhwc_plan) with each sample whole
+  in a program or split in parts over two kernels (config.gpu_nhwc_parts), two parameter
+  groups (vmap), ragged tiles and padding groups (C = 48 as 32 groups of 2 in a 64-wide tile):
+  y, the statistics and every gradient against the float64 reference."""
+  n, hw, c, g, w = 3, 50, 48, 24, 2
+  x = random(rng, (w, n, hw, c), F32, 2.0, 0.3)
+  dy = random(rng, x.shape, F32)
+  gamma, beta = random(rng, (w, c), F32, offset=1.0), random(rng, (w, c), F32)
+  plan = config.gpu_nhwc_plan(hw, c, c // g, 4, backward=False)
+  assert plan is not None and plan.cols == 64
+  tuning = dict(gpu_nhwc_max_tile_fwd=256, gpu_nhwc_max_tile_bwd=256,
+                interpret_programs=3 if parts == 1 else parts * n)
+  layer = lambda x, gm, bt: jn.group_norm(x, g, gm, bt, channel_axis=-1, activation=activation,
+                                          implementation="pallas")
+  with config.override(**tuning):
+    jax.clear_caches()
+    p = config.gpu_nhwc_parts(config.gpu_nhwc_plan(hw, c, 2, 4, backward=True), n,
+                              interpret=True)
+    assert p == parts, p
+    y, pullback = jax.vjp(jax.vmap(layer), x, gamma, beta)
+    dx, dgamma, dbeta = pullback(dy)
+  jax.clear_caches()
+  for k in range(w):
+    z, mean, rstd = ref.gn_fwd(x[k], gamma[k], beta[k], n, c, hw, g, channels_last=True)
+    dz = ref.f64(dy[k]) * (ref.activation_grad(z, activation) if activation else 1.0)
+    y_ref = ref.activation(z, activation) if activation else z
+    dx_ref, dg_ref, db_ref = ref.gn_bwd(dz, x[k], mean, rstd, gamma[k], n, c, hw, g, True)
+    block = c // g * hw
+    assert_close(y[k], y_ref, F32, block, "y", scale=ref.fwd_scales(x[k], rstd, gamma[k])[0])
+    assert_close(dx[k], dx_ref, F32, block, "dx", scale=ref.dx_scale(dz, rstd, gamma[k]))
+    assert_close(dgamma[k], dg_ref, F32, n * hw, "dgamma", scale=float(np.abs(dz).max() * 4))
+    assert_close(dbeta[k], db_ref, F32, n * hw, "dbeta")
+
+
+@pytest.mark.parametrize("shape,kernels", [
+    ((32, 32, 32, 64), ("fwd_nhwc_moments", "fwd_nhwc", "bwd_nhwc_sums", "bwd_nhwc")),
+    ((32, 8, 8, 256), ("fwd_nhwc", "bwd_nhwc")),
+    ((4, 16, 16, 320), ("fwd", "bwd"))])  # 10 channels a group: the per-group kernels
+def test_channels_last_kernels_chosen_for_cuda(shape, kernels):
+  """A UNet's GroupNorms (32 groups of 2 and 8 channels) lower to the sample-wide kernels, split
+  where the batch alone leaves SMs idle; 10 channels a group to the per-group ones."""
+  c = shape[-1]
+  gn = _grad_of(lambda x, w, b: jn.group_norm(x, 32, w, b, channel_axis=-1))
+  text = _export_text(gn, (_sds(shape, F32), _sds((c,), F32), _sds((c,), F32)), "cuda")
+  names = set(re.findall(r"jax_normgrad_norm_\w+", text))
+  assert names >= {f"jax_normgrad_norm_{k}" for k in kernels}, names
+  if "fwd_nhwc" not in kernels:
+    assert not any("nhwc" in n for n in names), names
 
 
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])

@@ -118,6 +118,26 @@ class Tuning:
   gpu_max_warps_stats: int = 16
   #: Tiles up to this many elements are software-pipelined (num_stages=2).
   gpu_small_tile: int = 2048
+  #: Channels-last GroupNorm whose groups span fewer bytes than this (a UNet's
+  #: 32 groups of 2-8 channels: 8-32 bytes of every pixel's row) runs the
+  #: sample-wide kernels (``gpu_nhwc_plan``): a tile is rows of all the
+  #: channels, contiguous, and the groups are summed inside it. The per-group
+  #: tiles read a few bytes of each 32-byte sector: on an H100 (2026-11-27,
+  #: bench_models.py) the 32x32x32x64 float32 forward (32 groups) took 43 us
+  #: where its bytes need 6.
+  gpu_nhwc_group_bytes: int = 64
+  #: Largest tile (elements) of the sample-wide channels-last kernels: the
+  #: forward keeps about three float32 values per element, the backward five
+  #: (x, dy, dx and the two tile-shaped parameter sums).
+  gpu_nhwc_max_tile_fwd: int = 8192
+  gpu_nhwc_max_tile_bwd: int = 4096
+  #: Where a channels-last GroupNorm has fewer samples than the programs an
+  #: H100 holds (a UNet's batch of 32: 32 of 132 SMs busy), the sample-wide
+  #: kernels split each sample's pixels into parts, a program each: a first
+  #: kernel writes each part's group moments (forward) or sums (backward), a
+  #: second combines a sample's parts in a fixed order and writes y or dx.
+  #: False: one persistent kernel each way, a sample per program at a time.
+  gpu_nhwc_split: bool = True
   #: Persistent programs of the interpreter (CPU tests): few, to keep it fast,
   #: more than one so that the partial sums and their reduction are exercised.
   interpret_programs: int = 3
@@ -227,6 +247,68 @@ def gpu_plan(segment: tuple[int, int], itemsize: int, *, backward: bool,
   return GpuPlan(tile=(ta, tb), chunks=(cdiv(segment[0], ta), cdiv(segment[1], tb)),
                  num_warps=num_warps, num_stages=2 if elems <= t.gpu_small_tile else 1,
                  stats_warps=min(num_warps, t.gpu_max_warps_stats), backward=backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuNhwcPlan:
+  """How a channels-last GroupNorm sample ``(HW, C)`` is tiled by the sample-wide kernels.
+
+  Attributes:
+    rows, cols: the power-of-two tile, ``rows`` pixels of all ``cols >= C`` channels.
+    cg: channels per group, a power of two; the tile is viewed as
+      ``(rows, cols // cg, cg)`` to sum the groups.
+    chunks: tiles per sample; 1 is the fused case (x and dy read once).
+    num_warps: Triton's.
+    backward: the plan of a backward kernel.
+  """
+
+  rows: int
+  cols: int
+  cg: int
+  chunks: int
+  num_warps: int
+  backward: bool
+
+  @property
+  def fused(self) -> bool:
+    return self.chunks == 1
+
+  @property
+  def groups(self) -> int:
+    """Groups in a tile row, padding included."""
+    return self.cols // self.cg
+
+
+def gpu_nhwc_plan(hw: int, c: int, cg: int, itemsize: int, *,
+                  backward: bool) -> GpuNhwcPlan | None:
+  """The sample-wide plan of a channels-last GroupNorm, or None where the per-group tiles run.
+
+  Those run where a group's channels span ``gpu_nhwc_group_bytes`` or more
+  (whole sectors already), where ``cg`` is not a power of two (the tile could
+  not be viewed as groups), with one group (the segment is the sample), and
+  where a row of all channels exceeds the tile.
+  """
+  t = current()
+  limit = t.gpu_nhwc_max_tile_bwd if backward else t.gpu_nhwc_max_tile_fwd
+  cols = _pow2(c)
+  if cg == c or cg & (cg - 1) or cg * itemsize >= t.gpu_nhwc_group_bytes or cols > limit:
+    return None
+  rows = min(_pow2(hw), limit // cols)
+  per_thread = max((t.gpu_bwd_bytes_per_thread if backward else t.gpu_fwd_bytes_per_thread)
+                   // itemsize, 1)
+  num_warps = min(max(rows * cols // (32 * per_thread), 1), t.gpu_max_warps_bwd)
+  return GpuNhwcPlan(rows=rows, cols=cols, cg=cg, chunks=cdiv(hw, rows), num_warps=num_warps,
+                     backward=backward)
+
+
+def gpu_nhwc_parts(plan: GpuNhwcPlan, samples: int, *, interpret: bool) -> int:
+  """Parts each sample's pixels are split into (``gpu_nhwc_split``): 1, or enough that the
+  samples' parts make the persistent grid's program count, at most one tile each."""
+  target = gpu_programs(plan, interpret=interpret)
+  if not current().gpu_nhwc_split or plan.fused or samples >= target:
+    return 1
+  parts = min(plan.chunks, cdiv(target, max(samples, 1)))
+  return cdiv(plan.chunks, cdiv(plan.chunks, parts))  # no empty part
 
 
 @functools.lru_cache(maxsize=None)

@@ -216,6 +216,10 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_d
   ``y_dtype`` (None: x's; a 16-bit one with a float32 x)."""
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
+  nhwc = _nhwc_plan(seg, x.dtype.itemsize, backward=False)
+  if nhwc is not None and not has_residual:
+    return _nhwc_forward(x, weight, bias, seg=seg, plan=nhwc, eps=eps, interpret=interpret,
+                         y_dtype=y_dtype)
   launch = _Launch(seg, config.gpu_plan(seg.shape, x.dtype.itemsize, backward=False,
                                         residual=has_residual), interpret)
   stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
@@ -395,6 +399,10 @@ def _sum_partials(partials, *, interpret: bool):
 def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
              interpret: bool, dx_dy: bool = False):
   """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``common.backward``."""
+  nhwc = _nhwc_plan(seg, max(x.dtype.itemsize, dy.dtype.itemsize), backward=True)
+  if nhwc is not None and dh is None and not dx_dy:
+    return _nhwc_backward(dy, x, mean, rstd, gamma, beta, seg=seg, plan=nhwc, mask=mask,
+                          interpret=interpret)
   plan = config.gpu_plan(seg.shape, max(x.dtype.itemsize, dy.dtype.itemsize), backward=True)
   launch = _Launch(seg, plan, interpret)
   flags = dict(has_gamma=gamma is not None, has_beta=beta is not None)
@@ -418,3 +426,327 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
   dx2 = (outs.pop(0),) if dx_dy else ()
   return (dx,) + tuple(_sum_partials(outs.pop(0), interpret=interpret) if m else None
                        for m in mask[1:]) + dx2
+
+
+# ----------------------------------------------------------------------------
+# Channels-last GroupNorm with narrow groups: sample-wide tiles
+
+
+def _nhwc_plan(seg: common.Segments, itemsize: int, *, backward: bool):
+  """The sample-wide plan (``config.gpu_nhwc_plan``) of a channels-last GroupNorm, else None."""
+  if seg.kind != "channels_last":
+    return None
+  return config.gpu_nhwc_plan(seg.a, seg.channels, seg.cg, itemsize, backward=backward)
+
+
+class _NhwcLaunch:
+  """The sample-wide kernels' grid and tiles: a sample is a whole ``(HW, C)`` block, in tiles of
+  ``plan.rows`` pixels by all ``plan.cols`` channels.
+
+  Every load is of whole rows of the sample's contiguous channels; the
+  groups are the tile viewed as ``(rows, groups, cg)``, so a statistic is a
+  sum over its first and last axes (``group_sum``), spread back to the
+  channels with a broadcast (``spread``). Padding channels (``cols > C``)
+  form whole padding groups, masked on every load and store.
+
+  With one part (``config.gpu_nhwc_parts``) the programs are persistent, a
+  few per SM, each walking a range of one parameter group's samples; with
+  more, a program per (sample, part), each a contiguous range of the
+  sample's tiles, and partial statistics pass between two kernels
+  (``(N, parts, G)`` float32 arrays, combined in part order).
+  """
+
+  def __init__(self, seg: common.Segments, plan: config.GpuNhwcPlan, interpret: bool):
+    self.seg, self.plan = seg, plan
+    self.parts = config.gpu_nhwc_parts(plan, seg.n, interpret=interpret)
+    self.chunks_per_part = config.cdiv(plan.chunks, self.parts)
+    if self.parts == 1:
+      target = max(config.gpu_programs(plan, interpret=interpret) // seg.param_groups, 1)
+      self.programs, self.per_program = config.split(seg.per_group, target)
+    else:
+      self.programs, self.per_program = seg.per_group * self.parts, 1
+    self.grid = (seg.param_groups * self.programs,)
+
+  def program(self):
+    """``(w, p, part, start, end, k0, k1)``: parameter group, program (its partial row), part
+    of its samples (0 with one part), the samples ``[start, end)`` and their tiles ``[k0, k1)``.
+
+    Called once, at the top of a kernel (the interpreter gives ``program_id`` no value inside
+    a loop's body)."""
+    seg = self.seg
+    pid = pl.program_id(0)
+    w, p = lax.div(pid, self.programs), lax.rem(pid, self.programs)
+    if self.parts == 1:
+      start = w * seg.per_group + p * self.per_program
+      return (w, p, 0, start, jnp.minimum(start + self.per_program, (w + 1) * seg.per_group), 0,
+              self.plan.chunks)
+    part = lax.rem(p, self.parts)
+    i = w * seg.per_group + lax.div(p, self.parts)
+    k0 = part * self.chunks_per_part
+    return w, p, part, i, i + 1, k0, jnp.minimum(k0 + self.chunks_per_part, self.plan.chunks)
+
+  def part_count(self, part):
+    """Elements of each group in part ``part`` (pixels of its tiles times ``cg``), float32."""
+    first = part * self.chunks_per_part * self.plan.rows
+    last = jnp.minimum(first + self.chunks_per_part * self.plan.rows, self.seg.a)
+    return ((last - first) * self.plan.cg).astype(F32)
+
+  def columns(self):
+    """The tile's channel indices and their mask."""
+    cols = _span(0, self.plan.cols)
+    return cols, cols < self.seg.channels
+
+  def window(self, k):
+    """Ref indices (pixels, channels) and mask of tile k of a sample."""
+    rows = _span(k * self.plan.rows, self.plan.rows)[:, None]
+    cols, ok = self.columns()
+    return (rows, cols[None, :]), (rows < self.seg.a) & ok[None, :]
+
+  def group_sum(self, tile):
+    """``(rows, cols)`` -> ``(groups,)``: each group's sum over its pixels and channels."""
+    p = self.plan
+    return jnp.sum(tile.reshape(p.rows, p.groups, p.cg), axis=(0, 2))
+
+  def spread(self, v):
+    """``(groups,)`` -> ``(1, cols)``: each group's value on each of its channels."""
+    p = self.plan
+    return jnp.broadcast_to(v[:, None], (p.groups, p.cg)).reshape(1, p.cols)
+
+  def groups(self):
+    """The statistics' group indices and mask."""
+    g = _span(0, self.plan.groups)
+    return g, g < self.seg.groups
+
+  def params(self, refs, w):
+    """The per-channel parameter rows ``(1, cols)`` of parameter group w (None where absent)."""
+    cols, ok = self.columns()
+    return [None if r is None else _load(r.at[w, cols], ok)[None, :] for r in refs]
+
+  def partial_stats(self):
+    """The ``(N, parts, G)`` float32 arrays that pass between a split grid's two kernels."""
+    return jax.ShapeDtypeStruct((self.seg.n, self.parts, self.seg.groups), F32)
+
+  def store_part(self, ref, i, part, v):
+    g, ok = self.groups()
+    pltriton.store(ref.at[i, part, g], v, mask=ok)
+
+  def load_parts(self, ref, i):
+    """Each part's ``(groups,)`` vector of sample i, in part order."""
+    g, ok = self.groups()
+    return [_load(ref.at[i, s, g], ok) for s in range(self.parts)]
+
+  def call(self, kernel, out_shape, *operands, interpret: bool, name: str):
+    params = pltriton.CompilerParams(num_warps=self.plan.num_warps, num_stages=1)
+    operands = [a for a in operands if a is not None]
+    return pl.pallas_call(kernel, out_shape=common.typed_like(out_shape, operands),
+                          grid=self.grid, interpret=interpret, compiler_params=params,
+                          name=name)(*operands)
+
+
+def _nhwc_fwd_kernel(*refs, launch: _NhwcLaunch, eps: float, has_weight: bool, has_bias: bool,
+                     stage: str):
+  """The forward, by ``stage``:
+
+  * "whole" (one part): per sample, the groups' means, then their variances
+    (the two-pass formula), then y. A sample of one tile is read once, a
+    longer one three times (the second and third reads mostly from L2), each
+    pass adding tile-shaped float32 sums that are reduced once.
+  * "moments" (a split grid's first kernel): the same two passes over this
+    program's part, written as the part's group means and squared deviations.
+  * "apply" (its second): the sample's parts merged in part order
+    (``common.combine_moments``), the same in every program of the sample,
+    then y of this part; part 0 writes the statistics.
+  """
+  seg, plan = launch.seg, launch.plan
+  x_ref, w_ref, b_ref, *outs = common.unpack(refs, True, has_weight, has_bias) + list(
+      refs[1 + has_weight + has_bias:])
+  w, _, part, start, end, k0, k1 = launch.program()
+  weight, bias = launch.params((w_ref, b_ref), w)
+  gidx, gok = launch.groups()
+  zeros = jnp.zeros((plan.rows, plan.cols), F32)
+
+  def tile(i, k):
+    idx, mask = launch.window(k)
+    return idx, mask, _load(x_ref.at[(i,) + idx], mask)
+
+  def write(i, k, mean_c, rstd_c, y_ref, loaded=None):
+    idx, mask, x = loaded or tile(i, k)
+    y = common.normalize(x - mean_c, rstd_c, weight, bias, activation=seg.activation)
+    pltriton.store(y_ref.at[(i,) + idx], y.astype(y_ref.dtype), mask=mask)
+
+  def moments(i, count, loaded=None):
+    """The group means and squared deviations of tiles [k0, k1) of sample i (the fused tile:
+    ``loaded``)."""
+    if plan.fused:
+      _, mask, x = loaded
+      mean = launch.group_sum(x) / count
+      d = jnp.where(mask, x - launch.spread(mean), 0.0)
+      return mean, launch.group_sum(d * d)
+    mean = launch.group_sum(_loop(k0, k1, lambda k, acc: acc + tile(i, k)[2], zeros)) / count
+    mean_c = launch.spread(mean)
+
+    def squares(k, acc):
+      _, mask, x = tile(i, k)
+      d = jnp.where(mask, x - mean_c, 0.0)
+      return acc + d * d
+
+    return mean, launch.group_sum(_loop(k0, k1, squares, zeros))
+
+  def sample(i, carry):
+    if stage == "moments":
+      mean_p, m2_p = outs
+      mean, m2 = moments(i, launch.part_count(part))  # never fused: split
+      launch.store_part(mean_p, i, part, mean)
+      launch.store_part(m2_p, i, part, m2)
+      return carry
+    if stage == "whole":
+      y_ref, mean_ref, rstd_ref = outs
+      loaded = tile(i, 0) if plan.fused else None  # the fused tile, read once
+      mean, m2 = moments(i, float(seg.count), loaded)
+    else:
+      mean_p, m2_p, y_ref, mean_ref, rstd_ref = outs
+      state = (jnp.zeros_like(gok, F32),) * 3
+      for s, (m, q) in enumerate(zip(launch.load_parts(mean_p, i), launch.load_parts(m2_p, i))):
+        state = common.combine_moments(state, (launch.part_count(s), m, q))
+      _, mean, m2 = state
+      loaded = None
+    rstd = common.inv_std(m2 / seg.count, eps)
+    mean_c, rstd_c = launch.spread(mean), launch.spread(rstd)
+    if loaded is not None:
+      write(i, 0, mean_c, rstd_c, y_ref, loaded)
+    else:
+      _loop(k0, k1, lambda k, c: (write(i, k, mean_c, rstd_c, y_ref), c)[1], 0)
+    ok = gok if stage == "whole" else gok & (part == 0)
+    pltriton.store(mean_ref.at[i, gidx], mean, mask=ok)
+    pltriton.store(rstd_ref.at[i, gidx], rstd, mask=ok)
+    return carry
+
+  _loop(start, end, sample, 0)
+
+
+def _nhwc_forward(x, weight, bias, *, seg, plan, eps, interpret, y_dtype=None):
+  """``(y, mean, rstd)`` of a channels-last GroupNorm by the sample-wide kernels."""
+  launch = _NhwcLaunch(seg, plan, interpret)
+  stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
+  outs = [jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype), stats, stats]
+  kw = dict(launch=launch, eps=eps, has_weight=weight is not None, has_bias=bias is not None)
+  if launch.parts == 1:
+    return tuple(launch.call(functools.partial(_nhwc_fwd_kernel, stage="whole", **kw), outs,
+                             x, weight, bias, interpret=interpret,
+                             name="jax_normgrad_norm_fwd_nhwc"))
+  parts = launch.call(functools.partial(_nhwc_fwd_kernel, stage="moments", **kw),
+                      [launch.partial_stats()] * 2, x, weight, bias, interpret=interpret,
+                      name="jax_normgrad_norm_fwd_nhwc_moments")
+  return tuple(launch.call(functools.partial(_nhwc_fwd_kernel, stage="apply", **kw), outs,
+                           x, weight, bias, *parts, interpret=interpret,
+                           name="jax_normgrad_norm_fwd_nhwc"))
+
+
+def _nhwc_bwd_kernel(*refs, launch: _NhwcLaunch, mask: tuple[bool, bool, bool],
+                     has_gamma: bool, has_beta: bool, stage: str):
+  """The backward, by ``stage``:
+
+  * "whole" (one part): per sample, the groups' ``mean(g)`` and ``mean(g *
+    xhat)`` (a pass of their own unless the sample is one tile), then dx.
+  * "sums" (a split grid's first kernel): this part's ``sum(g)`` and ``sum(g
+    * xhat)`` per group.
+  * "dx" (its second): the sample's parts added in part order, then dx of
+    this part.
+
+  ``sum dy * xhat`` and ``sum dy`` per channel go to tile-shaped float32
+  sums over the program's tiles, stored once as its partial row (no
+  atomics: ``_sum_partials`` adds the rows in a fixed order).
+  """
+  seg, plan = launch.seg, launch.plan
+  dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref = common.unpack(
+      refs, True, True, True, True, has_gamma, has_beta)
+  outs = list(refs[4 + has_gamma + has_beta:])
+  w, p, part, start, end, k0, k1 = launch.program()
+  gamma, beta = launch.params((gamma_ref, beta_ref), w)
+  count = float(seg.count)
+  gidx, gok = launch.groups()
+  zeros = jnp.zeros((plan.rows, plan.cols), F32)
+  s1_p = s2_p = None
+  if stage == "dx" and mask[0]:
+    s1_p, s2_p = outs[:2]
+    outs = outs[2:]
+  dx_ref, dw_ref, db_ref = common.unpack(outs, *mask) if stage != "sums" else (None,) * 3
+  partial_refs = [r for r in (dw_ref, db_ref) if r is not None]
+
+  def sample(i, acc):
+    mean_c = launch.spread(_load(mean_ref.at[i, gidx], gok))
+    rstd_c = launch.spread(_load(rstd_ref.at[i, gidx], gok))
+
+    def terms(k):
+      idx, m = launch.window(k)
+      x = _load(x_ref.at[(i,) + idx], m)
+      dy = _load(dy_ref.at[(i,) + idx], m)  # 0 where masked, and so is every term below
+      dy = common.pre_activation_grad(dy, x, mean_c, rstd_c, gamma, beta, seg.activation)
+      xhat, g = common.xhat_and_g(x, dy, mean_c, rstd_c, gamma)
+      return idx, m, dy, xhat, g
+
+    def sums():
+      def add(k, s):
+        _, _, _, xhat, g = terms(k)
+        return s[0] + g, s[1] + g * xhat
+
+      s1, s2 = _loop(k0, k1, add, (zeros, zeros))
+      return launch.group_sum(s1), launch.group_sum(s2)
+
+    if stage == "sums":
+      s1, s2 = sums()
+      launch.store_part(outs[0], i, part, s1)
+      launch.store_part(outs[1], i, part, s2)
+      return acc
+    cs = None
+    if mask[0] and stage == "dx":
+      s1 = s2 = None
+      for a, b in zip(launch.load_parts(s1_p, i), launch.load_parts(s2_p, i)):
+        s1, s2 = (a, b) if s1 is None else (s1 + a, s2 + b)
+      cs = launch.spread(s1 / count), launch.spread(s2 / count)
+    elif mask[0] and not plan.fused:
+      s1, s2 = sums()
+      cs = launch.spread(s1 / count), launch.spread(s2 / count)
+
+    def chunk(k, acc):
+      idx, m, dy, xhat, g = terms(k)
+      if mask[0]:
+        c1, c2 = cs or (launch.spread(launch.group_sum(g) / count),
+                        launch.spread(launch.group_sum(g * xhat) / count))
+        dx = common.grad_input(g, xhat, c1, c2, rstd_c)
+        pltriton.store(dx_ref.at[(i,) + idx], dx.astype(dx_ref.dtype), mask=m)
+      new = [t for t, want in ((dy * xhat, mask[1]), (dy, mask[2])) if want]
+      return tuple(a + t for a, t in zip(acc, new))
+
+    return _loop(k0, k1, chunk, acc)
+
+  acc = _loop(start, end, sample, tuple(zeros for _ in partial_refs))
+  cols, ok = launch.columns()
+  for ref, a in zip(partial_refs, acc):
+    pltriton.store(ref.at[w, p, cols], jnp.sum(a, axis=0), mask=ok)
+
+
+def _nhwc_backward(dy, x, mean, rstd, gamma, beta, *, seg, plan, mask, interpret):
+  """``(dx | None, dgamma | None, dbeta | None)`` of a channels-last GroupNorm, sample-wide."""
+  launch = _NhwcLaunch(seg, plan, interpret)
+  mask = tuple(mask)
+  partial = jax.ShapeDtypeStruct((seg.param_groups, launch.programs, seg.channels), F32)
+  out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] if mask[0] else []) + (
+      [partial] * sum(mask[1:]))
+  kw = dict(launch=launch, mask=mask, has_gamma=gamma is not None, has_beta=beta is not None)
+  operands = (dy, x, mean, rstd, gamma, beta)
+  if launch.parts == 1:
+    outs = launch.call(functools.partial(_nhwc_bwd_kernel, stage="whole", **kw), out_shape,
+                       *operands, interpret=interpret, name="jax_normgrad_norm_bwd_nhwc")
+  else:
+    parts = ()
+    if mask[0]:
+      parts = launch.call(functools.partial(_nhwc_bwd_kernel, stage="sums", **kw),
+                          [launch.partial_stats()] * 2, *operands, interpret=interpret,
+                          name="jax_normgrad_norm_bwd_nhwc_sums")
+    outs = launch.call(functools.partial(_nhwc_bwd_kernel, stage="dx", **kw), out_shape,
+                       *operands, *parts, interpret=interpret, name="jax_normgrad_norm_bwd_nhwc")
+  outs = list(outs)
+  dx = outs.pop(0) if mask[0] else None
+  return (dx,) + tuple(_sum_partials(outs.pop(0), interpret=interpret) if m else None
+                       for m in mask[1:])
