@@ -14,7 +14,7 @@ own. The device's kernel events (the trace's ``/device:GPU`` process) are
 summed by kernel name and divided by the calls: microseconds per call, one
 table per function, printed and saved as ``kernels.json``. Summed durations,
 not wall time. This found, on 2026-11-26, the partials reduction and the
-32-warp forward the tile sweep then fixed (BENCHMARKS.md "GPU: NVIDIA H200").
+32-warp forward the tile sweep then fixed (BENCHMARKS-history.md, "GPU: NVIDIA H200").
 
 On a machine with no GPU (``--smoke``, tiny shapes) the events are the host
 runtime's, matched to the compiled module's instruction names (a check of

@@ -43,7 +43,7 @@ namespace {
 // medians of the per-round speedups, four to six runs): 512x512
 // 1.12-1.24x, 2048x512 1.11-1.30x, 1024x768 1.05-1.13x, 2048x1024 (16 MiB
 // moved) 1.00-1.14x; the moments-pass prefetch where y streams: 8192x1024
-// 0.95-0.98x (BENCHMARKS.md, 2026-11-27).
+// 0.95-0.98x (BENCHMARKS-history.md, 2026-11-27).
 inline bool PrefetchInMomentsPass(bool stream_y) { return !stream_y; }
 
 // y = xhat * w + b for n elements, xhat = (x - mu) * rs, and xhat itself into

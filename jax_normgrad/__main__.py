@@ -28,8 +28,7 @@ PRIMITIVE_OPS = {
 
 def _report_platform() -> dict:
   platform = _implementation.default_platform()
-  impls = {name: _implementation.default_for(name, platform)
-           for name in _implementation.primitive_names()}
+  impls = _implementation.default_implementations(platform)
   return {"platform": platform, "devices": [str(d) for d in jax.devices()],
           "implementations": impls,
           "primitive_ops": {name: PRIMITIVE_OPS.get(name, "") for name in impls},

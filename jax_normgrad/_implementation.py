@@ -203,6 +203,25 @@ def primitive_names() -> list[str]:
   return sorted(_REGISTRY)
 
 
+def default_implementations(platform: str | None = None) -> dict[str, str]:
+  """Which implementation ``implementation=None`` runs, per primitive, on ``platform``.
+
+  Args:
+    platform: "cpu", "cuda", "rocm" or "tpu"; None (the default) for JAX's default backend.
+
+  Returns:
+    primitive name (``jax_normgrad_layer_norm_bwd`` and so on; ``python -m jax_normgrad``
+    lists the functions each one serves) -> "ffi" (the C++ kernels), "pallas" (the
+    platform's Pallas kernels) or "xla" (the pure-JAX reference, where no kernel exists:
+    a ``FallbackWarning`` says so when it lowers).
+  """
+  if platform is None:
+    platform = default_platform()
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform: expected one of {PLATFORMS} (or None), got {platform!r}")
+  return {name: default_for(name, platform) for name in primitive_names()}
+
+
 def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
                        pallas: Callable | None = None) -> None:
   """Registers one lowering rule per platform that dispatches on ``implementation``.

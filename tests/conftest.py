@@ -1,5 +1,6 @@
 """Shared pytest set-up: which jax_normgrad is tested, hypothesis profiles, random inputs, case lists."""
 
+import importlib.util
 import os
 import pathlib
 import sys
@@ -32,6 +33,51 @@ _prefer_installed_package()
 # subprocess under patch() (they set process-wide JAX options of their own).
 collect_ignore = ["third_party"]
 
+#: The accelerator compile checks: every Pallas kernel compiled by Triton and libtpu with no
+#: accelerator. They need the accel-check extra (``pip install ".[accel-check]"``), which CI
+#: installs in a step of its own (.ci/accel-check, with JAX_NORMGRAD_REQUIRE_ACCEL_CHECK=1).
+ACCEL_CHECK_MODULE = ROOT / "tests" / "test_accel_compile.py"
+ACCEL_CHECK_PACKAGES = ("triton", "libtpu")
+REQUIRE_ACCEL_CHECK = "JAX_NORMGRAD_REQUIRE_ACCEL_CHECK"
+
+
+def _arg_paths(config) -> list[pathlib.Path]:
+  """The paths the session collects from: its positional arguments, or ``testpaths``."""
+  here = config.invocation_params.dir
+  return [pathlib.Path(here, str(arg).split("::")[0]).resolve() for arg in config.args]
+
+
+def _accel_check_left_out(config) -> list[str]:
+  """The accel-check packages missing here, when that leaves the module out of the collection.
+
+  Without the extra, each of the module's ~270 cases would only report a skip. Named on the
+  command line (``python -m pytest tests/test_accel_compile.py``), or with
+  JAX_NORMGRAD_REQUIRE_ACCEL_CHECK=1 (CI, where a missing tool must fail), it is collected.
+  """
+  if os.environ.get(REQUIRE_ACCEL_CHECK) == "1":
+    return []
+  missing = [p for p in ACCEL_CHECK_PACKAGES if importlib.util.find_spec(p) is None]
+  if not missing or ACCEL_CHECK_MODULE in _arg_paths(config):
+    return []
+  return missing
+
+
+def pytest_ignore_collect(collection_path, config):
+  if collection_path == ACCEL_CHECK_MODULE and _accel_check_left_out(config):
+    return True
+  return None
+
+
+def _accel_check_note(config) -> str | None:
+  """One line saying the module was left out, where the session's paths hold it."""
+  missing = _accel_check_left_out(config)
+  if not missing or not any(p == ACCEL_CHECK_MODULE or p in ACCEL_CHECK_MODULE.parents
+                            for p in _arg_paths(config)):
+    return None
+  return (f"left out: {ACCEL_CHECK_MODULE.relative_to(ROOT)}, the accelerator compile checks "
+          f"({' and '.join(missing)} not installed); run them with `bash .ci/accel-check`, or "
+          f"`pip install \".[accel-check]\"` and `python -m pytest tests/test_accel_compile.py`")
+
 # The "ci" profile is the default, so the README's plain `python -m pytest -q`
 # (which CI runs verbatim) gets a fixed, derandomized example budget: the same
 # examples on every run, within the suite's time budget. Run more with
@@ -61,9 +107,19 @@ def _extension():
 def pytest_report_header(config):
   ext = _extension()
   if ext is None:
-    return ["jax_normgrad extension: not importable"]
-  return [f"jax_normgrad extension: {ext.__file__} "
-          f"(sanitizers: {getattr(ext, 'sanitizers', '') or 'none'})"]
+    lines = ["jax_normgrad extension: not importable"]
+  else:
+    lines = [f"jax_normgrad extension: {ext.__file__} "
+             f"(sanitizers: {getattr(ext, 'sanitizers', '') or 'none'})"]
+  note = _accel_check_note(config)
+  return lines + ([note] if note else [])
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  # The header is not printed under -q (the README's command); this line is.
+  note = _accel_check_note(config)
+  if note:
+    terminalreporter.write_line(note)
 
 
 def pytest_sessionstart(session):

@@ -1,8 +1,9 @@
 """Every Pallas kernel compiled by Triton (sm_80, sm_90) and by libtpu's Mosaic (v4 to v6e), no accelerator.
 
-See ``accel_check`` for how. Where the tools are missing (``pip install
-".[accel-check]"``) the tests skip with the reason; CI sets
-``JAX_NORMGRAD_REQUIRE_ACCEL_CHECK=1``, which turns that skip into a failure.
+See ``accel_check`` for how. Where the extra's packages are missing (``pip install
+".[accel-check]"``), tests/conftest.py leaves this module out of a run that does not name it;
+named, the tests skip with the reason. CI (.ci/accel-check) sets
+``JAX_NORMGRAD_REQUIRE_ACCEL_CHECK=1``, which collects it and turns that skip into a failure.
 """
 
 from __future__ import annotations

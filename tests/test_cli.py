@@ -34,6 +34,17 @@ def test_cli_json_parses_and_exits_0():
   assert all(c["ok"] for c in report["checks"]) and report["timings"] == []
 
 
+def test_default_implementations_is_what_the_cli_reports():
+  import jax_normgrad as jn  # pylint: disable=g-import-not-at-top
+  impls = jn.default_implementations()
+  assert impls == cli._report_platform()["implementations"]
+  assert jn.default_implementations(cases.PLATFORM) == impls
+  assert set(jn.default_implementations("cpu").values()) == {"ffi"}
+  assert set(jn.default_implementations("tpu").values()) == {"pallas"}
+  with pytest.raises(ValueError, match="platform"):
+    jn.default_implementations("gpu")  # jax.default_backend()'s word, not a lowering platform
+
+
 @pytest.fixture
 def tiny(monkeypatch):
   """The CLI with two tiny workloads and no checks, so timing and plotting run in seconds."""

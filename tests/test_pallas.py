@@ -334,7 +334,7 @@ def test_sum_partials_tiles(rng, cols, tile, w, p, c):
 
 
 @pytest.mark.parametrize("segment,itemsize,kind,warps", [
-    # forward: 32 bytes of each input per thread (2026-11-26 sweep, BENCHMARKS.md)
+    # forward: 32 bytes of each input per thread (2026-11-26 sweep, BENCHMARKS-history.md)
     ((1, 1024), 2, "fwd", 2), ((1, 1024), 4, "fwd", 4), ((1, 4096), 4, "fwd", 16),
     ((1, 16384), 4, "fwd", 32),
     # the residual form's forward: 8 elements per thread in every dtype (16 bfloat16 elements took

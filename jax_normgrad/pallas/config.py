@@ -4,8 +4,8 @@ Everything here is decided at trace time from static shapes and the dtype.
 The numbers are starting points derived from hardware limits (registers per
 SM, VMEM per TensorCore, the (8, 128) TPU tiling), not measured optima: no
 GPU or TPU was available when they were chosen. The GPU sweeps so far
-(``benchmarks/gpu_sweep.py``, BENCHMARKS.md "GPU": an H100 on 2026-11-25, an
-H200 on 2026-11-26) set the partials reduction's tiles, the forward's bytes
+(``benchmarks/gpu_sweep.py``, BENCHMARKS-history.md "GPU": an H100 on 2026-11-25,
+an H200 on 2026-11-26) set the partials reduction's tiles, the forward's bytes
 per thread and the backward's warp cap. Tune them here, nowhere else.
 
 GPU (Triton). A normalization segment (a LayerNorm row, a GroupNorm
