@@ -366,8 +366,10 @@ def count_params(params) -> int:
 
 
 def custom_calls(lowered_text: str) -> int:
-  """How many of this package's custom calls a step's lowered text holds."""
-  return lowered_text.count("custom_call @jax_normgrad_")
+  """How many of this package's kernel calls a step's lowered text holds: the CPU custom calls
+  (``@jax_normgrad_...``) and, on a GPU or TPU, the Pallas kernels' calls, which name them."""
+  return sum(1 for line in lowered_text.splitlines()
+             if "custom_call" in line and "jax_normgrad_" in line)
 
 
 def compile_steps(steps: dict[str, tuple], threads: int = 1) -> dict[str, tuple]:

@@ -85,7 +85,8 @@ CONFIGS = {
     # Channels-last GroupNorm with narrow groups: the sample-wide kernels unsplit (one
     # persistent kernel each way), and the per-group kernels (the rule before 2026-11-27).
     "nhwc_whole": {"gpu_nhwc_split": False},
-    "nhwc_per_group": {"gpu_nhwc_group_bytes": 0},
+    "nhwc_per_group": {"gpu_nhwc_group_bytes": 0, "gpu_nhwc_group_bytes_fwd": 0},
+    "nhwc_fwd_64": {"gpu_nhwc_group_bytes_fwd": 64},
 }
 
 

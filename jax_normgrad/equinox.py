@@ -73,7 +73,7 @@ class LayerNorm(_LayerNorm):
 
   ``LayerNorm(shape, eps=1e-5, use_weight=True, use_bias=True, dtype=None, *,
   elementwise_affine=None, implementation=None)``: equinox's arguments and
-  defaults, plus ``implementation``. Normalizes the whole of ``x`` (shape
+  defaults, plus ``implementation`` and ``forward``. Normalizes the whole of ``x`` (shape
   ``shape``; ``jax.vmap`` over a batch), statistics in float32, parameters
   cast to float32, the output in x's dtype::
 
@@ -99,7 +99,7 @@ class RMSNorm(_RMSNorm):
 
   ``RMSNorm(shape, eps=1e-5, use_weight=True, use_bias=True, dtype=None, *,
   implementation=None)``: equinox's arguments and defaults (a bias
-  included), plus ``implementation``. Over the whole of ``x`` (shape
+  included), plus ``implementation`` and ``forward``. Over the whole of ``x`` (shape
   ``shape``), in float32, the output in x's dtype::
 
       y = x / sqrt(mean(x^2) + eps) * weight + bias
@@ -125,7 +125,7 @@ class GroupNorm(_GroupNorm):
 
   ``GroupNorm(groups, channels=None, eps=1e-5, channelwise_affine=True,
   dtype=None, *, implementation=None, activation=None)``: equinox's
-  arguments, defaults and checks, plus ``implementation`` and ``activation``
+  arguments, defaults and checks, plus ``implementation``, ``forward`` and ``activation``
   (None, "silu", "gelu" or "relu", fused into the kernels:
   ``jax.nn.silu(GroupNorm(...)(x))`` as one layer). Channels first, no batch axis: x is
   ``(channels, ...)`` (``jax.vmap`` over a batch); statistics per group of

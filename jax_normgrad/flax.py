@@ -110,7 +110,7 @@ class LayerNorm(_LayerNorm):
   Attributes, defaults and parameters are ``flax.linen.LayerNorm``'s
   (``epsilon=1e-6``, ``dtype=None``: the result dtype is promoted from x and
   the parameters, ``param_dtype=float32``, ...), plus ``implementation``
-  (None: the platform's kernel). Call: ``layer(x, *, mask=None)``; y has x's
+  and ``forward`` (None: the platform's kernel and default forward). Call: ``layer(x, *, mask=None)``; y has x's
   shape and flax's dtype. ``reduction_axes`` may be any trailing axes;
   ``feature_axes`` any of them (the parameters are broadcast over the rest).
   {_doc("flax.linen.LayerNorm", "``reduction_axes`` not the trailing axes of x, or ``feature_axes`` outside them")}
@@ -136,7 +136,7 @@ class RMSNorm(_RMSNorm):
 
   Attributes, defaults and parameters are ``flax.linen.RMSNorm``'s
   (``epsilon=1e-6``, ``use_scale=True``, ...; ``use_fast_variance`` has no
-  effect, as in flax), plus ``implementation``. Call: ``layer(x, *,
+  effect, as in flax), plus ``implementation`` and ``forward``. Call: ``layer(x, *,
   mask=None)``.
   {_doc("flax.linen.RMSNorm", "``reduction_axes`` not the trailing axes of x, or ``feature_axes`` outside them", fast_variance=False)}
   Raises: what ``flax.linen.RMSNorm`` raises; see :func:`jax_normgrad.rms_norm`.

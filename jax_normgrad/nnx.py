@@ -105,7 +105,7 @@ class LayerNorm(_LayerNorm):
 
   ``LayerNorm(num_features, *, epsilon=1e-6, dtype=None, param_dtype=float32,
   use_bias=True, use_scale=True, ..., rngs, implementation=None)``: flax's
-  arguments and defaults, plus ``implementation``. Over ``reduction_axes``
+  arguments and defaults, plus ``implementation`` and ``forward``. Over ``reduction_axes``
   (default: the last axis), statistics in float32, after the layer's
   ``promote_dtype`` of (x, scale, bias)::
 
@@ -127,7 +127,7 @@ class RMSNorm(_RMSNorm):
 
   ``RMSNorm(num_features, *, epsilon=1e-6, dtype=None, param_dtype=float32,
   use_scale=True, ..., rngs, implementation=None)``: flax's arguments and
-  defaults, plus ``implementation``. Over ``reduction_axes`` (default: the
+  defaults, plus ``implementation`` and ``forward``. Over ``reduction_axes`` (default: the
   last axis), statistics in float32::
 
       y = x / sqrt(mean(x^2) + epsilon) * scale
@@ -148,7 +148,7 @@ class GroupNorm(_GroupNorm):
 
   ``GroupNorm(num_features, num_groups=32, group_size=None, *, epsilon=1e-6,
   ..., rngs, implementation=None, activation=None)``: flax's arguments,
-  defaults and constructor checks, plus ``implementation`` and
+  defaults and constructor checks, plus ``implementation``, ``forward`` and
   ``activation`` (None, "silu", "gelu" or "relu", fused into the kernels:
   ``nnx.swish(GroupNorm(...)(x))`` as one layer; see
   :class:`jax_normgrad.flax.GroupNorm`). Channels last: x is

@@ -343,7 +343,7 @@ def test_bench_models_transformer_variants_lower_to_their_kernels():
     params = bench_models.init_params(model, x)
     step = jax.jit(lambda p, x, t, model=model: jax.grad(
         lambda p: jnp.mean(jnp.square(model.apply(p, x) - t)))(p))
-    calls[v] = bench_models.custom_calls(step, (params, x, target))
+    calls[v] = bench_models.custom_calls(step.lower(params, x, target).as_text())
   assert calls["flax"] == calls["identity"] == calls["affine"] == 0
   # Per block two adds + norms, and the first norm: add_layer_norm's forward and
   # backward replace the drop-in's, each add one kernel less XLA pass.

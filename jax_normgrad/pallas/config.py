@@ -124,8 +124,14 @@ class Tuning:
   #: channels, contiguous, and the groups are summed inside it. The per-group
   #: tiles read a few bytes of each 32-byte sector: on an H100 (2026-11-27,
   #: bench_models.py) the 32x32x32x64 float32 forward (32 groups) took 43 us
-  #: where its bytes need 6.
+  #: where its bytes need 6; with these kernels the two forward kernels took 9
+  #: us and the step's norm kernels 0.24 ms against 0.54 (BENCHMARKS.md "GPU:
+  #: norms inside models"). The backward takes them below 64 bytes a group,
+  #: the forward below 32: at 8 float32 channels a group (8x64x64x256,
+  #: bench_gpu.py) the backward went from 1.22x to 1.63x XLA's, the forward
+  #: from 0.97x to 0.78x (two runs of one day; ratios in each run).
   gpu_nhwc_group_bytes: int = 64
+  gpu_nhwc_group_bytes_fwd: int = 32
   #: Largest tile (elements) of the sample-wide channels-last kernels: the
   #: forward keeps about three float32 values per element, the backward five
   #: (x, dy, dx and the two tile-shaped parameter sums).
@@ -283,15 +289,16 @@ def gpu_nhwc_plan(hw: int, c: int, cg: int, itemsize: int, *,
                   backward: bool) -> GpuNhwcPlan | None:
   """The sample-wide plan of a channels-last GroupNorm, or None where the per-group tiles run.
 
-  Those run where a group's channels span ``gpu_nhwc_group_bytes`` or more
-  (whole sectors already), where ``cg`` is not a power of two (the tile could
+  Those run where a group's channels span ``gpu_nhwc_group_bytes`` (forward:
+  ``gpu_nhwc_group_bytes_fwd``) or more (whole sectors already), where ``cg`` is not a power of two (the tile could
   not be viewed as groups), with one group (the segment is the sample), and
   where a row of all channels exceeds the tile.
   """
   t = current()
   limit = t.gpu_nhwc_max_tile_bwd if backward else t.gpu_nhwc_max_tile_fwd
+  group_bytes = t.gpu_nhwc_group_bytes if backward else t.gpu_nhwc_group_bytes_fwd
   cols = _pow2(c)
-  if cg == c or cg & (cg - 1) or cg * itemsize >= t.gpu_nhwc_group_bytes or cols > limit:
+  if cg == c or cg & (cg - 1) or cg * itemsize >= group_bytes or cols > limit:
     return None
   rows = min(_pow2(hw), limit // cols)
   per_thread = max((t.gpu_bwd_bytes_per_thread if backward else t.gpu_fwd_bytes_per_thread)
