@@ -41,6 +41,9 @@ import numpy as np
 import jax_normgrad as jn
 from jax_normgrad import _bench, _ffi
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_lib  # noqa: E402  (the sibling module: the residual and stack workloads)
+
 ISSUE_ROWS = [
     ("ln", (8192, 1024), jnp.float32),
     ("ln", (64, 65536), jnp.float32),
@@ -380,7 +383,7 @@ def main(argv=None):
                       help="only add_layer_norm / add_rms_norm (the issue's LayerNorm rows) and the "
                            "pre-norm MLP stack's training step, fused against unfused and XLA")
   parser.add_argument("--stack", action="store_true",
-                      help="only the pre-norm MLP stack's training step (_bench.STACK_ROWS) of --residual")
+                      help="only the pre-norm MLP stack's training step (bench_lib.STACK_ROWS) of --residual")
   parser.add_argument("--keep-freed-memory", action="store_true",
                       help="call jax_normgrad.keep_freed_memory() first (no fresh-page faults)")
   args = parser.parse_args(argv)
@@ -407,13 +410,13 @@ def main(argv=None):
   if args.residual or args.stack:
     for kind in ("ln", "rms") if args.residual else ():
       for shape, dtype, stream in RESIDUAL_ROWS:
-        rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds, settle_s,
+        rows.append(bench_lib.measure_residual(kind, shape, dtype, args.iters, args.rounds, settle_s,
                                             residual_dtype=stream))
-        _bench.print_residual_rows(rows[-1:])
-    for dtype, stream in _bench.STACK_ROWS:
-      rows.append(_bench.measure_stack(dtype, args.iters, args.rounds, settle_s,
+        bench_lib.print_residual_rows(rows[-1:])
+    for dtype, stream in bench_lib.STACK_ROWS:
+      rows.append(bench_lib.measure_stack(dtype, args.iters, args.rounds, settle_s,
                                        residual_dtype=stream, profile=True))
-      _bench.print_residual_rows(rows[-1:])
+      bench_lib.print_residual_rows(rows[-1:])
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))

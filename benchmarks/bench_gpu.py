@@ -87,6 +87,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from jax_normgrad import _bench, _implementation
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_lib  # noqa: E402  (the sibling module: the residual and stack workloads)
+
 # (kind, shape, dtype); GroupNorm shapes are (n, c, h, w, groups).
 ROWS = [
     *[(kind, shape, dtype)
@@ -111,8 +114,8 @@ WHO = ("ours", "xla", "torch", "liger")
 PALLAS_COPY_CONFIGS = ((8192, 4), (16384, 4), (32768, 8), (65536, 16))
 SMOKE_PALLAS_COPY_CONFIGS = ((256, 4), (1024, 4))  # 1024: a masked last block in every smoke row
 # --residual: add_layer_norm / add_rms_norm forward + backward against this package's
-# layer_norm(x + residual) and XLA's autodiff (_bench.measure_residual), then a pre-norm MLP
-# stack's training step with and without the fused form (_bench.measure_stack).
+# layer_norm(x + residual) and XLA's autodiff (bench_lib.measure_residual), then a pre-norm MLP
+# stack's training step with and without the fused form (bench_lib.measure_stack).
 # (kind, shape, dtype, residual stream dtype; None: dtype's).
 RESIDUAL_ROWS = [(kind, shape, dtype, stream)
                  for dtype, stream in ((jnp.bfloat16, None), (jnp.float32, None),
@@ -540,14 +543,14 @@ def main(argv=None) -> int:
 
   if args.residual:
     for kind, shape, dtype, stream in (SMOKE_RESIDUAL_ROWS if args.smoke else RESIDUAL_ROWS):
-      rows.append(_bench.measure_residual(kind, shape, dtype, args.iters, args.rounds,
+      rows.append(bench_lib.measure_residual(kind, shape, dtype, args.iters, args.rounds,
                                           batch_ms=args.batch_ms, residual_dtype=stream))
-      _bench.print_residual_rows(rows[-1:])
+      bench_lib.print_residual_rows(rows[-1:])
       save()
-    for dtype, stream in _bench.STACK_ROWS:
-      rows.append(_bench.measure_stack(dtype, args.iters, args.rounds, residual_dtype=stream,
+    for dtype, stream in bench_lib.STACK_ROWS:
+      rows.append(bench_lib.measure_stack(dtype, args.iters, args.rounds, residual_dtype=stream,
                                        **(SMOKE_STACK if args.smoke else STACK)))
-      _bench.print_residual_rows(rows[-1:])
+      bench_lib.print_residual_rows(rows[-1:])
       save()
   tuned = {}  # the Pallas copy's configuration by size and dtype
   start = time.perf_counter()

@@ -70,6 +70,7 @@ from jax_normgrad import _bench, _ffi
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_cpu import SETTLE_S, cpu_model  # noqa: E402  (the sibling script's conventions)
+import bench_lib  # noqa: E402  (the profile parsing)
 
 import flax.linen as nn  # noqa: E402
 import jax_normgrad.flax as jnf  # noqa: E402
@@ -435,7 +436,7 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   :func:`saves_interval` from the round medians, or None.
 
   With ``profile_rounds``, each variant's step is also profiled in that
-  many interleaved rounds of 2 calls (:func:`jax_normgrad._bench.step_op_ms`):
+  many interleaved rounds of 2 calls (:func:`jax_normgrad.bench_lib.step_op_ms`):
   ``<variant>_op_ms`` holds the medians of its summed op times (``ops``,
   ``matmul``, ``other``: ms per step), and ``<variant>_saves_by_op_time``
   the saved share computed from the ``other`` times, the passes besides
@@ -467,7 +468,7 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   for _ in range(profile_rounds):
     for v, (step, args) in steps.items():
       time.sleep(settle_s)
-      op_times[v].append(_bench.step_op_ms(step, args, calls=2, top=top_kernels,
+      op_times[v].append(bench_lib.step_op_ms(step, args, calls=2, top=top_kernels,
                                            hlo_text=compiled[v][3]))
   row = {"model": name, "variants": list(steps), "rounds": rounds, "iters": per_round * rounds,
          "profile_rounds": profile_rounds, "compile_s": compile_s}

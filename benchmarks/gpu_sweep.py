@@ -40,6 +40,7 @@ from jax_normgrad.pallas import config
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import bench_gpu  # noqa: E402
+import bench_lib  # noqa: E402
 
 ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
         ("rms", (32768, 1024), jnp.bfloat16), ("ln", (16384, 4096), jnp.bfloat16),
@@ -94,14 +95,14 @@ def residual_workload(kind, shape, dtype):
   """An ``add_*`` row: the fused op's forward as "fwd", its forward + backward as "bwd"."""
   residual_dtype = jnp.float32 if kind.endswith("+f32") else None
   ln = kind.startswith("add_ln")
-  x, r, w, b, dy, dh = _bench.residual_inputs(shape, dtype, residual_dtype)
+  x, r, w, b, dy, dh = bench_lib.residual_inputs(shape, dtype, residual_dtype)
 
   def fwd(x, r, w, b):
     if ln:
       return jn.add_layer_norm(x, r, w, b, residual_dtype=residual_dtype)
     return jn.add_rms_norm(x, r, w, residual_dtype=residual_dtype)
 
-  fwd_bwd = _bench.residual_variants("ln" if ln else "rms", dtype, residual_dtype)["fused"]
+  fwd_bwd = bench_lib.residual_variants("ln" if ln else "rms", dtype, residual_dtype)["fused"]
   return types.SimpleNamespace(name=_name(kind, shape, dtype), nbytes_fwd=0, nbytes_bwd=0,
                                ours_fwd=(fwd, (x, r, w, b)),
                                ours_bwd=(fwd_bwd, (x, r, w, b, dy, dh)))

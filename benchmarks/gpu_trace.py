@@ -32,7 +32,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _bench
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_lib  # noqa: E402  (the sibling module: workloads, trace parsing)
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 #: (kind, shape, dtype, residual stream dtype): the residual rows whose fused form trailed XLA's.
@@ -56,10 +57,10 @@ def jobs(smoke: bool) -> list[tuple[str, object, tuple]]:
     w, b = jnp.ones(shape[1:], s), jnp.zeros(shape[1:], s)
     tag = (f"{kind}_{'x'.join(map(str, shape))}_{jnp.dtype(dtype).name}"
            + ("_f32stream" if stream is not None else ""))
-    for variant, fn in _bench.residual_variants(kind, dtype, stream).items():
+    for variant, fn in bench_lib.residual_variants(kind, dtype, stream).items():
       out.append((f"{tag}_{variant}", fn, (x, r, w, b, dy, dh)))
   for variant in ("fused", "xla"):
-    step, params, batch = _bench.mlp_stack_step(variant, dtype=BF16, residual_dtype=F32,
+    step, params, batch = bench_lib.mlp_stack_step(variant, dtype=BF16, residual_dtype=F32,
                                                 **(SMOKE_STACK if smoke else STACK))
     out.append((f"stack_bf16_f32stream_{variant}", step, (params, batch)))
   return out
@@ -87,7 +88,7 @@ def trace(fn, args, calls: int) -> list[dict]:
   """The events of ``calls`` blocked calls of ``fn`` (compiled and warmed up first)."""
   for _ in range(2):
     jax.block_until_ready(fn(*args))
-  return _bench.trace_events(fn, args, calls)
+  return bench_lib.trace_events(fn, args, calls)
 
 
 def main(argv=None) -> int:
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
       continue
     text = fn.lower(*fn_args).compile().as_text()
     (args.out / f"{name}.hlo.txt").write_text(text)
-    kernels = kernel_times(trace(fn, fn_args, args.calls), args.calls, _bench._op_names(text)[0])
+    kernels = kernel_times(trace(fn, fn_args, args.calls), args.calls, bench_lib.op_names(text)[0])
     result[name] = kernels
     print(f"== {name}: {sum(v[0] for v in kernels.values()):.1f} us per call")
     for kernel, (us, n) in list(kernels.items())[:15]:

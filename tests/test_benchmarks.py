@@ -6,6 +6,7 @@ import importlib.util
 import io
 import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,9 @@ import numpy as np
 import pytest
 
 from jax_normgrad import _bench
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_lib  # noqa: E402  (the benchmarks' sibling module)
 import cases
 
 _SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu.py"
@@ -205,7 +209,7 @@ def test_bench_gpu_residual_smoke_run(tmp_path, capsys):
   assert bench_gpu.main(["--smoke", "--residual", "--iters", "1", "--rounds", "1",
                          "--out", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
-  assert len(rows) == len(bench_gpu.SMOKE_RESIDUAL_ROWS) + len(_bench.STACK_ROWS)
+  assert len(rows) == len(bench_gpu.SMOKE_RESIDUAL_ROWS) + len(bench_lib.STACK_ROWS)
   for r in rows:
     assert r["unfused_vs_fused"] == pytest.approx(r["unfused_ms"] / r["fused_ms"])
     if "xla_ms" in r:
@@ -365,7 +369,7 @@ def test_op_names_tells_matmul_fusions_by_their_whole_name():
       "  ROOT %cc = f32[4,4]{1,0} custom-call(%ew), custom_call_target=\"jax_normgrad_layer_norm_fwd\"",
       "}",
   ])
-  names, matmuls = _bench._op_names(hlo)
+  names, matmuls = bench_lib.op_names(hlo)
   assert {"mm", "ew", "cc", "dot.0", "add.0"} <= names
   assert "mm" in matmuls and "dot.0" in matmuls
   assert "ew" not in matmuls and "cc" not in matmuls
