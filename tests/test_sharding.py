@@ -129,6 +129,25 @@ def test_layer_norm_training_step(mesh_shape, names, spec, explicit):
 
 
 @eight
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm", "add_layer_norm"])
+def test_xla_forward_with_the_backward_kernel(op):
+  """``forward="xla"``: the jnp forward (no forward custom call) and the backward kernel, on
+  each device's rows, with the single-device step's values."""
+  mesh = _mesh((8,), ("d",))
+  fns = {"layer_norm": lambda x, w, b: jn.layer_norm(x, w, b, forward="xla"),
+         "group_norm": lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1, forward="xla"),
+         "add_layer_norm": lambda x, w, b: jn.add_layer_norm(x, 2 * x, w, b, forward="xla")[0]}
+  loss = lambda x, w, b: jnp.sum(fns[op](x, w, b) ** 2 * jnp.cos(jnp.arange(64)))
+  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  args = (_put(X, mesh, "d"), _put(W, mesh), _put(B, mesh))
+  _close(g(*args), g(X, W, B))
+  hlo = _hlo(g, *args)
+  kind = "group" if op == "group_norm" else "layer"
+  assert f"jax_normgrad_{kind}_norm_fwd" not in hlo
+  _check_local(hlo, f"jax_normgrad_{kind}_norm_bwd", (2, 8, 64) if op == "group_norm" else (16, 64))
+
+
+@eight
 def test_rms_norm_training_step():
   mesh = _mesh((8,), ("d",))
   loss = lambda x, w: jnp.sum(jn.rms_norm(x, w) ** 2 * jnp.cos(jnp.arange(64)))
