@@ -43,6 +43,7 @@ from jax.interpreters import mlir
 
 from jax_normgrad import _compat
 from jax_normgrad.pallas import common as pallas_common
+from jax_normgrad.pallas import gpu_target
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -114,8 +115,16 @@ def gpu_backend(implementation: str, platform: str, op: str) -> pallas_common.Gp
   ``JAX_NORMGRAD_GPU_BACKEND`` (default "triton") as a preference; on ROCm and
   with a jax lacking the Mosaic GPU API a preference for it is announced and
   Triton runs. On CPU and TPU the variable does not apply.
+
+  On a GPU that Pallas Triton does not lower for (``gpu_target.triton_problem``:
+  jax 0.11+ lists the GPU kinds it knows), "pallas" runs the Mosaic GPU
+  kernels where they can stand in (sm_90+), else the pure-JAX reference
+  (backend "xla"), announced; "triton" raises.
   """
   if implementation in GPU_BACKENDS:
+    if implementation == "triton" and platform in ("cuda", "rocm"):
+      if problem := gpu_target.triton_problem():
+        raise ValueError(f"{op}: implementation='triton' cannot run here: {problem}")
     return pallas_common.GpuBackend(implementation, forced=True)
   if platform not in ("cuda", "rocm"):
     return pallas_common.TRITON
@@ -123,15 +132,45 @@ def gpu_backend(implementation: str, platform: str, op: str) -> pallas_common.Gp
   if preferred not in GPU_BACKENDS:
     raise ValueError(f"{GPU_BACKEND_ENV}: expected one of {GPU_BACKENDS} (or unset), "
                      f"got {preferred!r}")
-  if preferred == "triton":
+  no_triton = gpu_target.triton_problem()
+  if preferred == "mosaic_gpu":
+    reason = ("Mosaic GPU does not run on ROCm" if platform == "rocm"
+              else _compat.mosaic_gpu_api_missing())
+    if not reason:
+      return pallas_common.GpuBackend("mosaic_gpu", forced=False, no_triton=no_triton)
+    if not no_triton:
+      _warn_once(f"jax_normgrad: {op}: {GPU_BACKEND_ENV}=mosaic_gpu, but {reason}; the Triton "
+                 f"kernels run instead.")
+  if not no_triton:
     return pallas_common.TRITON
-  reason = ("Mosaic GPU does not run on ROCm" if platform == "rocm"
-            else _compat.mosaic_gpu_api_missing())
-  if reason:
-    _warn_once(f"jax_normgrad: {op}: {GPU_BACKEND_ENV}=mosaic_gpu, but {reason}; the Triton "
-              f"kernels run instead.")
-    return pallas_common.TRITON
-  return pallas_common.GpuBackend("mosaic_gpu", forced=False)
+  if not (reason := gpu_target.mosaic_gpu_problem(platform)):
+    _warn_once(f"jax_normgrad: {op}: {no_triton}; the Mosaic GPU kernels run instead (and the "
+               f"pure-JAX reference what they cannot run).")
+    return pallas_common.GpuBackend("mosaic_gpu", forced=False, no_triton=no_triton)
+  _warn_once(f"jax_normgrad: {op}: {no_triton}; {reason}. The pure-JAX reference ('xla') runs "
+             f"instead; pass implementation='xla' to silence this.")
+  return pallas_common.GpuBackend("xla", no_triton=no_triton)
+
+
+def with_reference(pallas: Callable, xla: Callable, op: str) -> Callable:
+  """The lowering function ``pallas`` that runs ``xla`` (the reference) where no Pallas GPU kernel can.
+
+  That is where ``gpu_backend`` chose the backend "xla", and where the Mosaic
+  GPU kernels standing in for Triton cannot run the problem
+  (``pallas_common.NoGpuKernel``, raised before any kernel is traced).
+  """
+
+  @functools.wraps(pallas)
+  def lower(*args, interpret, gpu_backend=pallas_common.TRITON, **params):
+    if gpu_backend.name == "xla":
+      return xla(*args, **params)
+    try:
+      return pallas(*args, interpret=interpret, gpu_backend=gpu_backend, **params)
+    except pallas_common.NoGpuKernel as e:
+      _warn_once(f"jax_normgrad: {op}: {e}; the pure-JAX reference ('xla') runs it instead.")
+      return xla(*args, **params)
+
+  return lower
 
 
 def default_platform() -> str:

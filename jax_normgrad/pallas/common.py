@@ -192,9 +192,18 @@ class GpuBackend:
 
   name: str = "triton"
   forced: bool = False
+  #: Why Pallas Triton cannot lower for the targeted GPU (``gpu_target.triton_problem``),
+  #: None when it can. With "mosaic_gpu": what those kernels cannot run falls
+  #: to the reference, not to Triton. ``name`` "xla": no Pallas GPU kernel
+  #: runs on this GPU; the reference runs (``_implementation.with_reference``).
+  no_triton: str | None = None
 
 
 TRITON = GpuBackend()
+
+
+class NoGpuKernel(Exception):
+  """No Pallas GPU kernel can run this problem on the targeted GPU (the message says why)."""
 
 
 def _gpu_kernels(backend: GpuBackend, seg: Segments, itemsize: int, *, backward: bool, op: str,
@@ -213,6 +222,9 @@ def _gpu_kernels(backend: GpuBackend, seg: Segments, itemsize: int, *, backward:
     return mosaic_gpu
   if backend.forced:
     raise ValueError(f"{op}: implementation='mosaic_gpu' cannot run this problem: {reason}")
+  if backend.no_triton:
+    raise NoGpuKernel(f"the Mosaic GPU kernels cannot run this problem ({reason}), and "
+                      f"{backend.no_triton}")
   from jax_normgrad import _implementation  # pylint: disable=g-import-not-at-top
   _implementation.warn_once(
       f"jax_normgrad: {op}: the Mosaic GPU kernels (JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu) cannot "

@@ -25,6 +25,8 @@ def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None,
   prim.multiple_results = True
   prim.def_abstract_eval(_with_varying_axes(abstract_eval))
   _implementation.def_impl_via_jit(prim)
+  if pallas is not None:  # the reference runs where no Pallas GPU kernel can
+    pallas = _implementation.with_reference(pallas, xla, name)
   _implementation.register_lowerings(prim, xla=xla, ffi=ffi, pallas=pallas)
   if roles is not None:
     _sharding.register_roles(prim, roles)
