@@ -31,9 +31,7 @@ implementation forced by the user that cannot run on the platform raises.
 from __future__ import annotations
 
 import functools
-import os
 import threading
-import warnings
 from typing import Callable
 
 import jax
@@ -42,29 +40,14 @@ import numpy as np
 from jax.interpreters import mlir
 
 from jax_normgrad import _compat
-from jax_normgrad.pallas import common as pallas_common
-from jax_normgrad.pallas import gpu_target
+from jax_normgrad._fallback import FallbackWarning, warn_once  # noqa: F401  (re-exported)
+# The Pallas GPU backend choice; GPU_BACKEND_ENV re-exported (benchmarks).
+from jax_normgrad.pallas.dispatch import GPU_BACKEND_ENV, GPU_BACKENDS, gpu_backend  # noqa: F401
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
-#: The Pallas GPU backends ``implementation`` may name.
-GPU_BACKENDS = ("triton", "mosaic_gpu")
-
-#: The environment variable choosing the GPU backend of "pallas" (and of None).
-GPU_BACKEND_ENV = "JAX_NORMGRAD_GPU_BACKEND"
-
-
-class FallbackWarning(UserWarning):
-  """Emitted once per (op, platform) when the default kernel is unavailable."""
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-  warnings.warn(message, FallbackWarning, stacklevel=3)
-
-
-#: A ``FallbackWarning``, once per message (for the kernels' own fallbacks, ``pallas.common``).
-warn_once = _warn_once
+#: A ``FallbackWarning``, once per message (``_fallback``; also for the kernels' own fallbacks).
+_warn_once = warn_once
 
 
 def resolve(implementation: str | None, platform: str, op: str, available: dict[str, Callable | None]) -> str:
@@ -108,71 +91,6 @@ def resolve(implementation: str | None, platform: str, op: str, available: dict[
 _REGISTRY: dict[str, dict[str, dict[str, Callable | None]]] = {}
 
 
-def gpu_backend(implementation: str, platform: str, op: str) -> pallas_common.GpuBackend:
-  """The Pallas GPU backend of a resolved Pallas ``implementation`` ("pallas", "triton", "mosaic_gpu").
-
-  A backend named by ``implementation`` is forced. "pallas" on CUDA takes
-  ``JAX_NORMGRAD_GPU_BACKEND`` (default "triton") as a preference; on ROCm and
-  with a jax lacking the Mosaic GPU API a preference for it is announced and
-  Triton runs. On CPU and TPU the variable does not apply.
-
-  On a GPU that Pallas Triton does not lower for (``gpu_target.triton_problem``:
-  jax 0.11+ lists the GPU kinds it knows), "pallas" runs the Mosaic GPU
-  kernels where they can stand in (sm_90+), else the pure-JAX reference
-  (backend "xla"), announced; "triton" raises.
-  """
-  if implementation in GPU_BACKENDS:
-    if implementation == "triton" and platform in ("cuda", "rocm"):
-      if problem := gpu_target.triton_problem():
-        raise ValueError(f"{op}: implementation='triton' cannot run here: {problem}")
-    return pallas_common.GpuBackend(implementation, forced=True)
-  if platform not in ("cuda", "rocm"):
-    return pallas_common.TRITON
-  preferred = os.environ.get(GPU_BACKEND_ENV, "") or "triton"
-  if preferred not in GPU_BACKENDS:
-    raise ValueError(f"{GPU_BACKEND_ENV}: expected one of {GPU_BACKENDS} (or unset), "
-                     f"got {preferred!r}")
-  no_triton = gpu_target.triton_problem()
-  if preferred == "mosaic_gpu":
-    reason = ("Mosaic GPU does not run on ROCm" if platform == "rocm"
-              else _compat.mosaic_gpu_api_missing())
-    if not reason:
-      return pallas_common.GpuBackend("mosaic_gpu", forced=False, no_triton=no_triton)
-    if not no_triton:
-      _warn_once(f"jax_normgrad: {op}: {GPU_BACKEND_ENV}=mosaic_gpu, but {reason}; the Triton "
-                 f"kernels run instead.")
-  if not no_triton:
-    return pallas_common.TRITON
-  if not (reason := gpu_target.mosaic_gpu_problem(platform)):
-    _warn_once(f"jax_normgrad: {op}: {no_triton}; the Mosaic GPU kernels run instead (and the "
-               f"pure-JAX reference what they cannot run).")
-    return pallas_common.GpuBackend("mosaic_gpu", forced=False, no_triton=no_triton)
-  _warn_once(f"jax_normgrad: {op}: {no_triton}; {reason}. The pure-JAX reference ('xla') runs "
-             f"instead; pass implementation='xla' to silence this.")
-  return pallas_common.GpuBackend("xla", no_triton=no_triton)
-
-
-def with_reference(pallas: Callable, xla: Callable, op: str) -> Callable:
-  """The lowering function ``pallas`` that runs ``xla`` (the reference) where no Pallas GPU kernel can.
-
-  That is where ``gpu_backend`` chose the backend "xla", and where the Mosaic
-  GPU kernels standing in for Triton cannot run the problem
-  (``pallas_common.NoGpuKernel``, raised before any kernel is traced).
-  """
-
-  @functools.wraps(pallas)
-  def lower(*args, interpret, gpu_backend=pallas_common.TRITON, **params):
-    if gpu_backend.name == "xla":
-      return xla(*args, **params)
-    try:
-      return pallas(*args, interpret=interpret, gpu_backend=gpu_backend, **params)
-    except pallas_common.NoGpuKernel as e:
-      _warn_once(f"jax_normgrad: {op}: {e}; the pure-JAX reference ('xla') runs it instead.")
-      return xla(*args, **params)
-
-  return lower
-
-
 def default_platform() -> str:
   """The lowering platform ("cpu", "cuda", "rocm", "tpu") of JAX's default backend.
 
@@ -205,7 +123,7 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
   parameters (minus ``implementation``) written with jnp / ``jax.ffi.ffi_call``
   / ``pallas_call``; it is lowered with ``mlir.lower_fun``. ``pallas`` also
   receives ``interpret=True`` on CPU and the Pallas GPU backend
-  (``gpu_backend``, a ``pallas.common.GpuBackend``).
+  (``gpu_backend``, a ``pallas.dispatch.GpuBackend``).
   """
   def make_rule(platform):
     available = {"xla": xla, "ffi": ffi if platform == "cpu" else None, "pallas": pallas}

@@ -44,7 +44,8 @@ LISTED = ("NVIDIA A100", "NVIDIA H100", "NVIDIA GeForce RTX 4090")
 
 
 class _Jax011:
-  """jax 0.11's Triton GPU list: ``get_gpu_info`` raises ValueError for a kind not listed or registered."""
+  """jax 0.11's Triton GPU list: ``get_gpu_info`` raises ValueError for a kind neither listed nor
+  registered."""
 
   def __init__(self, can_register: bool):
     self.can_register = can_register
@@ -64,7 +65,7 @@ class _Jax011:
 
 @pytest.fixture
 def jax011(monkeypatch):
-  """Makes this jax refuse unlisted GPUs as jax 0.11 does; ``.can_register`` as jax 0.11.0-0.11.2."""
+  """This jax refusing unlisted GPUs as jax 0.11 does; ``.can_register`` as in 0.11.0-0.11.2."""
   fake = _Jax011(can_register=True)
   monkeypatch.setattr(_compat, "triton_gpu_info", lambda: fake.get_gpu_info)
   monkeypatch.setattr(_compat, "register_triton_gpu", fake.register)

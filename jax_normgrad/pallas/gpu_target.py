@@ -9,7 +9,7 @@ compute capability is known, it registers that with Pallas Triton (what jax
 0.10 did unasked: Triton compiled for the device's own capability). Where it
 is not known (an abstract device of an unlisted kind, no GPU attached) or this
 jax offers no way to register, the lowering falls back
-(``_implementation.gpu_backend``): to the Mosaic GPU kernels on sm_90+, else
+(``dispatch.gpu_backend``): to the Mosaic GPU kernels on sm_90+, else
 to the pure-JAX reference, with a ``FallbackWarning`` naming the device.
 """
 
