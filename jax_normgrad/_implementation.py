@@ -43,6 +43,7 @@ from jax_normgrad import _compat
 from jax_normgrad._fallback import FallbackWarning, warn_once  # noqa: F401  (re-exported)
 # The Pallas GPU backend choice; GPU_BACKEND_ENV re-exported (benchmarks).
 from jax_normgrad.pallas.dispatch import GPU_BACKEND_ENV, GPU_BACKENDS, gpu_backend  # noqa: F401
+from jax_normgrad.pallas.dispatch import quiet_lowering
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -156,7 +157,7 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
     return rule
 
   for platform in PLATFORMS:
-    mlir.register_lowering(prim, make_rule(platform), platform=platform)
+    mlir.register_lowering(prim, quiet_lowering(make_rule(platform), platform), platform=platform)
 
 
 _INTERPRET_LOCK = threading.Lock()
