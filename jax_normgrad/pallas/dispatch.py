@@ -5,9 +5,12 @@ The layer above the kernel modules: ``gpu`` (Triton), ``mosaic_gpu`` and
 ``common``; this module chooses among them (``gpu_backend``, at each
 lowering, from ``implementation``, ``JAX_NORMGRAD_GPU_BACKEND`` and the
 targeted GPU: ``gpu_target``) and hands them a problem (``forward``,
-``backward``), importing them on first lowering. Above it stand the
-lowerings (``layer_norm``, ``group_norm``) and ``jax_normgrad._implementation``,
-which imports the backend choice from here.
+``backward``), importing them on first lowering. Where no Pallas GPU kernel
+can run, the lowerings run the pure-JAX reference (``with_reference``); and
+the package's GPU lowerings run with jax's Pallas Triton deprecation warning
+ignored (``quiet_lowering``). Above it stand the lowerings (``layer_norm``,
+``group_norm``) and ``jax_normgrad._implementation``, which imports the
+backend choice from here.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ GPU_BACKEND_ENV = "JAX_NORMGRAD_GPU_BACKEND"
 class GpuBackend:
   """The Pallas GPU backend a lowering was asked for (``gpu_backend``).
 
-  ``name`` is "triton" or "mosaic_gpu". ``forced``: the user named it
-  (``implementation="mosaic_gpu"``), so a problem its kernels cannot run
-  raises; otherwise (``JAX_NORMGRAD_GPU_BACKEND``) Triton runs it instead,
-  with a ``FallbackWarning``.
+  ``name`` is "triton", "mosaic_gpu" or "xla" (see ``no_triton``).
+  ``forced``: the user named it (``implementation="mosaic_gpu"``), so a
+  problem its kernels cannot run raises; otherwise
+  (``JAX_NORMGRAD_GPU_BACKEND``) Triton runs it instead, with a
+  ``FallbackWarning``.
   """
 
   name: str = "triton"
