@@ -145,3 +145,46 @@ def mosaic_gpu_interpret(interpret: bool):
   """The ``interpret=`` of ``plgpu.kernel``: GPU interpret mode on CPU, else False."""
   return _interpret_params_class()() if interpret else False
 
+
+
+# ----------------------------------------------------------------------------
+# Pallas Triton's list of GPUs (``jax_normgrad.pallas.gpu_target``).
+#
+# From jax 0.11 the Triton lowering asks ``get_gpu_info()`` (public in
+# ``jax.experimental.pallas.triton``) for the target's architecture, and it
+# knows a fixed list of kinds ("NVIDIA A100", "NVIDIA H100", "NVIDIA GeForce
+# RTX 4090", ..., ROCm by its gfx name): any other kind raises "No supported
+# GPU devices found" when a kernel is lowered. jax 0.10 asked nothing (it
+# took the device's compute capability, or sm_90 with no GPU attached). A kind
+# the list lacks is added through ``gpu_info.registry`` (kind -> a function
+# returning its ``GpuInfo``): 0.11.0 to 0.11.2 have it only at its private
+# path, read here and nowhere else.
+
+
+def triton_gpu_info():
+  """Pallas Triton's ``get_gpu_info``, or None where this jax lowers for any GPU (before 0.11)."""
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+  return getattr(pltriton, "get_gpu_info", None)
+
+
+def register_triton_gpu(device_kind: str, compute_capability: str) -> bool:
+  """Tells Pallas Triton the compute capability (``"8.9"``) of a GPU kind it does not list.
+
+  Returns False where this jax offers no way to (before 0.11 none is
+  needed). A kind already registered keeps its entry.
+  """
+  try:
+    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  registry, info_class = getattr(gpu_info, "registry", None), getattr(gpu_info, "GpuInfo", None)
+  if not isinstance(registry, dict) or info_class is None:
+    return False
+  major, minor = (int(v) for v in compute_capability.split("."))
+  try:
+    info = info_class(gpu_version=None, arch_name=f"{major}.{minor}",
+                      compute_capability=10 * major + minor)
+  except TypeError:  # a GpuInfo of other fields
+    return False
+  registry.setdefault(device_kind, lambda: info)
+  return True

@@ -34,7 +34,6 @@ import functools
 import os
 import threading
 import types
-import warnings
 from typing import Callable
 
 import jax
@@ -43,28 +42,15 @@ import numpy as np
 from jax.interpreters import mlir
 
 from jax_normgrad import _compat
-from jax_normgrad.pallas import common as pallas_common
+from jax_normgrad._fallback import FallbackWarning, warn_once  # noqa: F401  (re-exported)
+# The Pallas GPU backend choice; GPU_BACKEND_ENV re-exported (benchmarks).
+from jax_normgrad.pallas.dispatch import GPU_BACKEND_ENV, GPU_BACKENDS, gpu_backend  # noqa: F401
+from jax_normgrad.pallas.dispatch import quiet_lowering
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
-#: The Pallas GPU backends ``implementation`` may name.
-GPU_BACKENDS = ("triton", "mosaic_gpu")
-
-#: The environment variable choosing the GPU backend of "pallas" (and of None).
-GPU_BACKEND_ENV = "JAX_NORMGRAD_GPU_BACKEND"
-
-
-class FallbackWarning(UserWarning):
-  """Emitted once per (op, platform) when the default kernel is unavailable."""
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-  warnings.warn(message, FallbackWarning, stacklevel=3)
-
-
-#: A ``FallbackWarning``, once per message (for the kernels' own fallbacks, ``pallas.common``).
-warn_once = _warn_once
+#: A ``FallbackWarning``, once per message (``_fallback``; also for the kernels' own fallbacks).
+_warn_once = warn_once
 
 
 def resolve(implementation: str | None, platform: str, op: str, available: dict[str, Callable | None]) -> str:
@@ -152,33 +138,6 @@ def forward_implementation(forward: str, implementation: str | None, platform: s
 _REGISTRY: dict[str, dict[str, dict[str, Callable | None]]] = {}
 
 
-def gpu_backend(implementation: str, platform: str, op: str) -> pallas_common.GpuBackend:
-  """The Pallas GPU backend of a resolved Pallas ``implementation`` ("pallas", "triton", "mosaic_gpu").
-
-  A backend named by ``implementation`` is forced. "pallas" on CUDA takes
-  ``JAX_NORMGRAD_GPU_BACKEND`` (default "triton") as a preference; on ROCm and
-  with a jax lacking the Mosaic GPU API a preference for it is announced and
-  Triton runs. On CPU and TPU the variable does not apply.
-  """
-  if implementation in GPU_BACKENDS:
-    return pallas_common.GpuBackend(implementation, forced=True)
-  if platform not in ("cuda", "rocm"):
-    return pallas_common.TRITON
-  preferred = os.environ.get(GPU_BACKEND_ENV, "") or "triton"
-  if preferred not in GPU_BACKENDS:
-    raise ValueError(f"{GPU_BACKEND_ENV}: expected one of {GPU_BACKENDS} (or unset), "
-                     f"got {preferred!r}")
-  if preferred == "triton":
-    return pallas_common.TRITON
-  reason = ("Mosaic GPU does not run on ROCm" if platform == "rocm"
-            else _compat.mosaic_gpu_api_missing())
-  if reason:
-    _warn_once(f"jax_normgrad: {op}: {GPU_BACKEND_ENV}=mosaic_gpu, but {reason}; the Triton "
-              f"kernels run instead.")
-    return pallas_common.TRITON
-  return pallas_common.GpuBackend("mosaic_gpu", forced=False)
-
-
 def default_platform() -> str:
   """The lowering platform ("cpu", "cuda", "rocm", "tpu") of JAX's default backend.
 
@@ -230,7 +189,7 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
   parameters (minus ``implementation``) written with jnp / ``jax.ffi.ffi_call``
   / ``pallas_call``; it is lowered with ``mlir.lower_fun``. ``pallas`` also
   receives ``interpret=True`` on CPU and the Pallas GPU backend
-  (``gpu_backend``, a ``pallas.common.GpuBackend``).
+  (``gpu_backend``, a ``pallas.dispatch.GpuBackend``).
   """
   def make_rule(platform):
     available = {"xla": xla, "ffi": ffi if platform == "cpu" else None, "pallas": pallas}
@@ -264,7 +223,7 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
     return rule
 
   for platform in PLATFORMS:
-    mlir.register_lowering(prim, make_rule(platform), platform=platform)
+    mlir.register_lowering(prim, quiet_lowering(make_rule(platform), platform), platform=platform)
 
 
 _INTERPRET_LOCK = threading.Lock()

@@ -78,7 +78,7 @@ EXPORT_SKIP = ("jax >= 0.11 lowers Pallas Triton only for a GPU or an abstract d
                "shard_map refuses an abstract context mesh")
 
 
-def export_for(platform, f, args, *, mesh=None, **kwargs):
+def export_for(platform, f, args, *, mesh=None, device_kind=None, **kwargs):
   """``jax.export.export(f, platforms=[platform], **kwargs)(*args)`` on a machine with no accelerator.
 
   From jax 0.11 the Pallas Triton lowering asks which GPU it compiles for
@@ -90,15 +90,17 @@ def export_for(platform, f, args, *, mesh=None, **kwargs):
   because XLA's ``custom_partitioning`` (the layers' partitioning rule) needs
   devices during lowering. ``mesh``: the ``shard_map`` mesh of ``f`` if any;
   shard_map refuses an abstract context mesh, so that export is skipped where
-  the abstract device is needed.
+  the abstract device is needed. ``device_kind``: the abstract device's kind,
+  named with any jax (default: "NVIDIA H100", where needed).
   """
   exported = jax.export.export(f, platforms=[platform], **kwargs)
-  if platform != "cuda" or not TRITON_LOWERING_NEEDS_GPU_KIND:
+  if device_kind is None and (platform != "cuda" or not TRITON_LOWERING_NEEDS_GPU_KIND):
     return exported(*args)
   if mesh is not None:
     # shard_map requires the context mesh to be its own, concrete one.
     pytest.skip(EXPORT_SKIP)
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
+  device = jax.sharding.AbstractDevice(device_kind=device_kind or "NVIDIA H100", num_cores=None,
+                                       platform=platform)
   mesh = jax.sharding.AbstractMesh((1,), ("_",), (jax.sharding.AxisType.Auto,),
                                    abstract_device=device)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -1,9 +1,16 @@
 """Pallas kernels of the primitives: Triton on CUDA/ROCm, Mosaic on TPU, interpreted on CPU.
 
-``layer_norm`` and ``group_norm`` hold the lowering functions registered with
-the primitives (``pallas=``); ``gpu`` (Triton) and ``tpu`` the kernels,
-written once for every op over the segment view of ``common``;
-``mosaic_gpu`` the Mosaic GPU kernels (sm_90+, LayerNorm / RMSNorm rows, by
-choice: ``_implementation``); ``config`` the tile heuristics. The kernel
-modules are imported on first lowering only.
+The modules in layers, each importing only those below it:
+
+* ``layer_norm``, ``group_norm``: the lowering functions registered with the
+  primitives (``pallas=``);
+* ``dispatch``: which kernels run a problem (the GPU backend a lowering
+  gets, chosen at lowering time: ``_implementation`` imports the choice from
+  here) and the forward and backward that hand it to them;
+  ``gpu_target``: whether Pallas Triton lowers for the targeted GPU;
+* ``gpu`` (Triton), ``mosaic_gpu`` (Mosaic GPU, sm_90+) and ``tpu``: the
+  kernels, written once for every op over the segment view of ``common``;
+  imported on first lowering only;
+* ``common``: the segment description and the per-tile math; ``config``:
+  the tile heuristics.
 """

@@ -32,10 +32,11 @@ from jax.experimental.pallas import triton as pltriton
 from jax_normgrad.pallas import common, config
 
 F32 = jnp.float32
-#: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh`` (``common._residual_kernels``).
+#: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh``
+#: (``dispatch._residual_kernels``).
 FUSES_RESIDUAL = True
 #: The backward reads dy and x each in its own dtype and can write dx twice
-#: (x's dtype and dy's: ``dx_dy``); see ``common.backward``.
+#: (x's dtype and dy's: ``dx_dy``); see ``dispatch.backward``.
 MIXED_DTYPES = True
 
 
@@ -212,7 +213,7 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
 def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None,
             y_dtype=None):
   """``(y, mean | None, rstd)``, or with a residual ``(x, residual, weight, bias)`` and
-  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``common.forward``. y in
+  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``dispatch.forward``. y in
   ``y_dtype`` (None: x's; a 16-bit one with a float32 x)."""
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
@@ -398,7 +399,7 @@ def _sum_partials(partials, *, interpret: bool):
 
 def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
              interpret: bool, dx_dy: bool = False):
-  """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``common.backward``."""
+  """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``dispatch.backward``."""
   nhwc = _nhwc_plan(seg, max(x.dtype.itemsize, dy.dtype.itemsize), backward=True)
   if nhwc is not None and dh is None and not dx_dy:
     return _nhwc_backward(dy, x, mean, rstd, gamma, beta, seg=seg, plan=nhwc, mask=mask,

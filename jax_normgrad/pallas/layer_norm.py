@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_normgrad import reference
-from jax_normgrad.pallas import common
+from jax_normgrad.pallas import common, dispatch
 
 F32 = jnp.float32
 
@@ -29,7 +29,7 @@ def _xhat(x, mean, rstd):
 
 
 def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
-                   y_dtype, interpret, gpu_backend=common.TRITON, has_residual=False, h_dtype=None):
+                   y_dtype, interpret, gpu_backend=dispatch.TRITON, has_residual=False, h_dtype=None):
   """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``, then xhat if asked.
 
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
@@ -48,9 +48,9 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
   seg = _rows(x, centered, param_groups)
   view = (seg.n, 1, seg.b)
   extra = {} if residual is None else dict(residual=residual.reshape(view), h_dtype=h_dtype)
-  y, mean, rstd, *h = common.forward(seg, x.reshape(view), weight, bias, eps=eps,
-                                     interpret=interpret, y_dtype=y_dtype,
-                                     gpu_backend=gpu_backend, op="layer_norm_fwd", **extra)
+  y, mean, rstd, *h = dispatch.forward(seg, x.reshape(view), weight, bias, eps=eps,
+                                       interpret=interpret, y_dtype=y_dtype,
+                                       gpu_backend=gpu_backend, op="layer_norm_fwd", **extra)
   mean = mean.reshape(seg.n) if centered else None
   rstd = rstd.reshape(seg.n)
   outs = [y.reshape(x.shape)] + ([mean, rstd] if centered else [rstd])
@@ -59,7 +59,7 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
 
 
 def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-                   write_xhat, interpret, gpu_backend=common.TRITON, has_dh=False,
+                   write_xhat, interpret, gpu_backend=dispatch.TRITON, has_dh=False,
                    write_dx_dy=False):
   """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
 
@@ -74,7 +74,7 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   ``has_dh``: a last operand dh (x's shape) is added to dx in float32 before
   dx's one rounding, in the kernels' output pass (in the XLA fusion that
   scales a ``normalized`` dx). ``write_dx_dy``: dx a second time, right
-  after dx, rounded to dy's dtype (``common.backward``).
+  after dx, rounded to dy's dtype (``dispatch.backward``).
   """
   dh = None
   if has_dh:
@@ -93,11 +93,11 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   view = (seg.n, 1, seg.b)
   kernel_dh = None if dh is None or normalized else dh.reshape(view)
   kernel_dx_dy = write_dx_dy and not normalized
-  outs = common.backward(seg, kdy.reshape(view), kx.reshape(view),
-                         None if mean is None else mean.reshape(seg.n, 1),
-                         kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret,
-                         gpu_backend=gpu_backend, op="layer_norm_bwd", dh=kernel_dh,
-                         dx_dy=kernel_dx_dy)
+  outs = dispatch.backward(seg, kdy.reshape(view), kx.reshape(view),
+                           None if mean is None else mean.reshape(seg.n, 1),
+                           kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret,
+                           gpu_backend=gpu_backend, op="layer_norm_bwd", dh=kernel_dh,
+                           dx_dy=kernel_dx_dy)
   dx = None if outs[0] is None else outs[0].reshape(x.shape)
   dx_dy = [outs[3].reshape(x.shape)] if kernel_dx_dy else []
   if dx is not None and normalized:

@@ -78,7 +78,7 @@ from jax_normgrad.pallas import common, config
 F32 = jnp.float32
 
 
-#: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh`` (``common.forward``).
+#: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh`` (``dispatch.forward``).
 FUSES_RESIDUAL = True
 
 
@@ -391,7 +391,7 @@ def _fwd_scratch(launch: _Launch, plan, x_dtype, n_params: int, r_dtype=None, h_
 
 def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=None,
             y_dtype=None):
-  """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``common.forward``.
+  """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``dispatch.forward``.
 
   ``y_dtype`` (a 16-bit y of a float32 x): these kernels write y in x's
   dtype; it is rounded to ``y_dtype`` in an XLA pass after them.
@@ -536,7 +536,7 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
              interpret):
   """``(dx | None, dgamma | None, dbeta | None)`` of LayerNorm / RMSNorm rows or GroupNorm.
 
-  See ``common.backward``; ``beta`` only with GroupNorm's fused activation;
+  See ``dispatch.backward``; ``beta`` only with GroupNorm's fused activation;
   ``dh`` (the residual form, rows; needs ``mask[0]``) is added to dx in
   float32 before its rounding.
   """

@@ -9,6 +9,7 @@ from jax.interpreters import ad, batching
 from jax.sharding import PartitionSpec
 
 from jax_normgrad import _compat, _implementation, _sharding
+from jax_normgrad.pallas import dispatch
 
 
 def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None,
@@ -28,6 +29,8 @@ def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None,
   prim.multiple_results = True
   prim.def_abstract_eval(_with_varying_axes(abstract_eval))
   _implementation.def_impl_via_jit(prim)
+  if pallas is not None:  # the reference runs where no Pallas GPU kernel can
+    pallas = dispatch.with_reference(pallas, xla, name)
   _implementation.register_lowerings(prim, xla=xla, ffi=ffi, pallas=pallas)
   if roles is not None:
     _sharding.register_roles(prim, roles)

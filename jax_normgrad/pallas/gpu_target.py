@@ -1,0 +1,123 @@
+"""The GPU a lowering targets, and whether Pallas Triton and Mosaic GPU lower for it.
+
+From jax 0.11 Pallas Triton lowers only for the GPU kinds jax lists
+(``_compat.triton_gpu_info``); on any other (an RTX 4080 laptop GPU, say) a
+Triton kernel raises "No supported GPU devices found" at ``jit`` time. Before
+a lowering picks the Triton kernels, ``triton_problem`` asks jax the same
+question its Triton lowering will ask; where the answer is no and the device's
+compute capability is known, it registers that with Pallas Triton (what jax
+0.10 did unasked: Triton compiled for the device's own capability). Where it
+is not known (an abstract device of an unlisted kind, no GPU attached) or this
+jax offers no way to register, the lowering falls back
+(``dispatch.gpu_backend``): to the Mosaic GPU kernels on sm_90+, else
+to the pure-JAX reference, with a ``FallbackWarning`` naming the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from jax_normgrad import _compat
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The device a GPU lowering compiles for, as Pallas Triton sees it.
+
+  ``kind``: the device kind (``"NVIDIA H100 80GB HBM3"``); ``platform``: the
+  device's platform (``"gpu"``, ``"cuda"``, ``"rocm"``; ``"cpu"`` where no GPU
+  is attached and none is named); ``compute_capability``: ``"8.9"``, None
+  where unknown (an abstract device has none); ``abstract``: named by the
+  abstract mesh (ahead-of-time lowering), not attached.
+  """
+
+  kind: str
+  platform: str
+  compute_capability: str | None = None
+  abstract: bool = False
+
+  def describe(self) -> str:
+    cc = f", compute capability {self.compute_capability}" if self.compute_capability else ""
+    where = "abstract device" if self.abstract else f"{self.platform} device"
+    return f"{self.kind!r} ({where}{cc})"
+
+
+def _default_device():
+  """The device jax lowers for by default (``jax_default_device``, else the first local one)."""
+  device = jax.config.jax_default_device
+  if isinstance(device, str):
+    return jax.local_devices(backend=device)[0]
+  return device or jax.local_devices()[0]
+
+
+def target() -> Target:
+  """The GPU a Pallas lowering targets, chosen as jax 0.11's Triton lowering chooses it.
+
+  The abstract mesh's device (``jax.sharding.use_abstract_mesh``) where it
+  names a kind other than the default device's (an ahead-of-time target);
+  else the default device.
+  """
+  device = _default_device()
+  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if abstract is not None and abstract.device_kind != device.device_kind:
+    return Target(abstract.device_kind, abstract.platform, None, abstract=True)
+  cc = getattr(device, "compute_capability", None)
+  cc = cc if isinstance(cc, str) and re.fullmatch(r"\d+\.\d+", cc) else None
+  return Target(device.device_kind, device.platform, cc)
+
+
+def _triton_lowers(get_gpu_info) -> bool:
+  try:
+    get_gpu_info()
+  except ValueError:  # what jax's Triton lowering turns into "No supported GPU devices found"
+    return False
+  return True
+
+
+def triton_problem() -> str | None:
+  """Why Pallas Triton cannot lower for the targeted GPU; None when it can.
+
+  Where jax does not list the device's kind but the device's compute
+  capability is known, that is registered with Pallas Triton first (a side
+  effect on jax: its Triton lowering then accepts that kind for any kernel).
+  """
+  get_gpu_info = _compat.triton_gpu_info()
+  if get_gpu_info is None or _triton_lowers(get_gpu_info):
+    return None
+  dev = target()
+  if dev.platform not in ("gpu", "cuda", "rocm"):
+    return (f"Pallas Triton (jax {jax.__version__}) lowers only for a GPU it knows and the "
+            f"device it would lower for is {dev.describe()}; with no GPU attached, name one with "
+            f"jax.sharding.use_abstract_mesh (an AbstractDevice of a kind it lists)")
+  if dev.compute_capability is not None:
+    if (_compat.register_triton_gpu(dev.kind, dev.compute_capability)
+        and _triton_lowers(get_gpu_info)):
+      return None
+    how = "this jax offers no way to register its compute capability"
+  else:
+    how = "an abstract device has no compute capability to register"
+  return (f"Pallas Triton (jax {jax.__version__}) does not lower for the GPU {dev.describe()}: "
+          f"the kind is not in its list (jax.experimental.pallas.triton.get_gpu_info) and {how}")
+
+
+def mosaic_gpu_problem(platform: str) -> str | None:
+  """Why the Mosaic GPU kernels cannot stand in for Triton on the targeted GPU; None when they can.
+
+  They need CUDA, sm_90 or newer (known: a device with its compute
+  capability), and a jax with the Mosaic GPU API.
+  """
+  if platform != "cuda":
+    return "the Mosaic GPU kernels do not run on ROCm"
+  dev = target()
+  if dev.compute_capability is None:
+    unknown = ("an abstract device has no compute capability" if dev.abstract
+               else "no GPU is attached" if dev.platform not in ("gpu", "cuda")
+               else "the device's compute capability is unknown")
+    return f"the Mosaic GPU kernels need sm_90+ and {unknown}"
+  major, minor = dev.compute_capability.split(".")
+  if int(major) < 9:
+    return f"the Mosaic GPU kernels need sm_90+ (the device is sm_{major}{minor})"
+  return _compat.mosaic_gpu_api_missing()

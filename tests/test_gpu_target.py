@@ -1,0 +1,249 @@
+"""Every GPU jax runs: where Pallas Triton does not lower for the device, the package still runs.
+
+From jax 0.11 Pallas Triton lowers only for the GPU kinds jax lists
+(``jax.experimental.pallas.triton.get_gpu_info``); any other kind (an RTX
+4080 laptop GPU) raises "No supported GPU devices found" at ``jit`` time.
+The package asks the same question first (``pallas.gpu_target``): it
+registers the device's compute capability with Pallas Triton where it can,
+else runs the Mosaic GPU kernels (sm_90+) or the pure-JAX reference, with a
+``FallbackWarning`` naming the device.
+
+No GPU is needed: the lowering is exported for ``cuda`` with the device named
+by an abstract mesh (``AbstractDevice`` of an unlisted kind) or by a fake
+attached device (``gpu_target._default_device`` patched: a CPU machine has no
+device with a compute capability). jax 0.10.2 (this venv) has no GPU list: its
+Triton lowering accepts every device, so the refusal cannot happen for real
+here. The ``jax011`` fixture stands a fake of jax 0.11's check in for it
+(``_compat.triton_gpu_info``, and its registry ``_compat.register_triton_gpu``):
+the patched functions are the two that read jax's list, and all the rest (which
+device is targeted, the choice, the warning, the lowering) runs for real.
+``test_this_jax`` checks the unpatched functions against the installed jax.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_normgrad as jn
+from jax_normgrad import _compat, _implementation
+from jax_normgrad.pallas import gpu_target
+from cases import TRITON_LOWERING_NEEDS_GPU_KIND, export_for, needs_mosaic_gpu
+
+F32 = jnp.float32
+TRITON = "__gpu$xla.gpu.triton"
+MOSAIC_GPU = "mosaic_gpu_v2"
+UNLISTED = "NVIDIA GeForce RTX 4080 Laptop GPU"
+#: A part of jax 0.11's list (GpuVersion), matched at the start of the kind as jax does.
+LISTED = ("NVIDIA A100", "NVIDIA H100", "NVIDIA GeForce RTX 4090")
+
+
+class _Jax011:
+  """jax 0.11's Triton GPU list: ``get_gpu_info`` raises ValueError for a kind neither listed nor
+  registered."""
+
+  def __init__(self, can_register: bool):
+    self.can_register = can_register
+    self.registry: dict[str, str] = {}
+
+  def get_gpu_info(self):
+    kind = gpu_target.target().kind
+    if re.match("|".join(LISTED), kind) or kind in self.registry:
+      return types.SimpleNamespace(kind=kind)
+    raise ValueError(f"Unsupported GPU device kind: {kind}")
+
+  def register(self, kind: str, compute_capability: str) -> bool:
+    if self.can_register:
+      self.registry.setdefault(kind, compute_capability)
+    return self.can_register
+
+
+@pytest.fixture
+def jax011(monkeypatch):
+  """This jax refusing unlisted GPUs as jax 0.11 does; ``.can_register`` as in 0.11.0-0.11.2."""
+  fake = _Jax011(can_register=True)
+  monkeypatch.setattr(_compat, "triton_gpu_info", lambda: fake.get_gpu_info)
+  monkeypatch.setattr(_compat, "register_triton_gpu", fake.register)
+  monkeypatch.delenv("JAX_NORMGRAD_GPU_BACKEND", raising=False)
+  # jax caches lowerings by program and abstract mesh; the fakes change what
+  # a lowering of the same program does.
+  jax.clear_caches()
+  _implementation.warn_once.cache_clear()
+  yield fake
+  jax.clear_caches()
+  _implementation.warn_once.cache_clear()
+
+
+def _attached(monkeypatch, compute_capability, kind=UNLISTED):
+  """A GPU attached as the default device, as the lowering's device lookup sees it."""
+  device = types.SimpleNamespace(device_kind=kind, platform="gpu",
+                                 compute_capability=compute_capability)
+  monkeypatch.setattr(gpu_target, "_default_device", lambda: device)
+
+
+def _sds(shape, dtype=F32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _grad_of(norm):
+  return jax.grad(lambda x, w, b: jnp.sum(norm(x, w, b).astype(F32)), argnums=(0, 1, 2))
+
+
+LN_ARGS = (_sds((64, 1024)), _sds((1024,)), _sds((1024,)))
+
+#: One program per kernel family: LayerNorm, RMSNorm, GroupNorm (both layouts), the residual form.
+PROGRAMS = {
+    "layer_norm": (_grad_of(jn.layer_norm), LN_ARGS),
+    "rms_norm": (_grad_of(lambda x, w, b: jn.rms_norm(x, w) + b), LN_ARGS),
+    "group_norm": (_grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b)),
+                   (_sds((2, 32, 8, 8)), _sds((32,)), _sds((32,)))),
+    "group_norm_nhwc": (_grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1)),
+                        (_sds((2, 8, 8, 32)), _sds((32,)), _sds((32,)))),
+    "add_layer_norm": (_grad_of(lambda x, w, b: sum(jn.add_layer_norm(x, x * 2, w, b))), LN_ARGS),
+}
+
+
+def _export(f, args, device_kind=None, *, expect_warning=None, expect_one=None):
+  """The exported StableHLO text; a ``FallbackWarning`` fails unless ``expect_warning`` matches it.
+
+  ``expect_one``: a pattern that at least one of the warnings must match.
+  """
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = export_for("cuda", jax.jit(f), args, device_kind=device_kind,
+                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+                      ).mlir_module()
+  fallbacks = [str(w.message) for w in caught if issubclass(w.category, jn.FallbackWarning)]
+  if expect_warning is None:
+    assert not fallbacks, fallbacks
+  else:
+    assert fallbacks and all(re.search(expect_warning, m) for m in fallbacks), fallbacks
+  assert expect_one is None or any(re.search(expect_one, m) for m in fallbacks), fallbacks
+  return text
+
+
+def _assert_reference(text):
+  """No Pallas kernel of either GPU backend: the pure-JAX reference was lowered."""
+  assert TRITON not in text and MOSAIC_GPU not in text and "jax_normgrad_norm" not in text
+
+
+def test_listed_gpu_runs_triton(jax011):
+  f, args = PROGRAMS["layer_norm"]
+  assert TRITON in _export(f, args, "NVIDIA H100 80GB HBM3")
+  assert not jax011.registry
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_unlisted_abstract_gpu_runs_the_reference(jax011, program):
+  # An abstract device has no compute capability to register: the reference
+  # runs, and the warning names the device and why.
+  f, args = PROGRAMS[program]
+  text = _export(f, args, UNLISTED, expect_warning=re.escape(repr(UNLISTED)) + ".*no compute "
+                 "capability to register.*pure-JAX reference \\('xla'\\) runs instead")
+  _assert_reference(text)
+  assert not jax011.registry
+
+
+def test_the_warning_comes_once_per_op(jax011):
+  f, args = PROGRAMS["layer_norm"]
+  with pytest.warns(jn.FallbackWarning) as record:
+    for _ in range(2):
+      jax.clear_caches()  # lowered twice, not taken from jax's cache
+      export_for("cuda", jax.jit(f), args, device_kind=UNLISTED)
+  ops = [re.search(r"jax_normgrad: (\w+):", str(w.message)).group(1) for w in record]
+  assert sorted(ops) == ["jax_normgrad_layer_norm_bwd", "jax_normgrad_layer_norm_fwd"]
+
+
+def test_forced_backends_on_an_unlisted_gpu(jax011):
+  # implementation="triton" cannot run there: it raises, naming the device;
+  # "xla" is silent (no warning).
+  ln = lambda x, w, b, impl: jn.layer_norm(x, w, b, implementation=impl)
+  with pytest.raises(ValueError, match="implementation='triton' cannot run here.*" + UNLISTED):
+    _export(lambda x, w, b: ln(x, w, b, "triton"), LN_ARGS, UNLISTED)
+  _assert_reference(_export(lambda x, w, b: ln(x, w, b, "xla"), LN_ARGS, UNLISTED))
+
+
+@needs_mosaic_gpu
+def test_forced_mosaic_gpu_on_an_unlisted_gpu(jax011):
+  ln = _grad_of(lambda x, w, b: jn.layer_norm(x, w, b, implementation="mosaic_gpu"))
+  text = _export(ln, LN_ARGS, UNLISTED)
+  assert MOSAIC_GPU in text and TRITON not in text
+
+
+def test_attached_gpu_is_registered_with_triton(jax011, monkeypatch):
+  # jax 0.11.0-0.11.2: the device's compute capability is told to Pallas
+  # Triton, whose kernels then run as on a listed GPU, unannounced.
+  _attached(monkeypatch, "8.9")
+  f, args = PROGRAMS["layer_norm"]
+  assert TRITON in _export(f, args)
+  assert jax011.registry == {UNLISTED: "8.9"}
+
+
+def test_attached_gpu_that_cannot_be_registered_runs_the_reference(jax011, monkeypatch):
+  jax011.can_register = False
+  _attached(monkeypatch, "8.9")
+  f, args = PROGRAMS["group_norm"]
+  _assert_reference(_export(f, args, expect_warning="no way to register its compute capability"
+                            ".*Mosaic GPU kernels need sm_90\\+ \\(the device is sm_89\\)"))
+  with pytest.raises(ValueError, match="implementation='triton' cannot run here"):
+    _export(lambda x, w, b: jn.layer_norm(x, w, b, implementation="triton"), LN_ARGS)
+
+
+@needs_mosaic_gpu
+def test_attached_sm90_gpu_that_cannot_be_registered_runs_mosaic_gpu(jax011, monkeypatch):
+  # sm_90+: the Mosaic GPU kernels stand in for Triton; what they cannot run
+  # (channels-last GroupNorm rows of 70,000 channels) the reference runs, not Triton.
+  jax011.can_register = False
+  _attached(monkeypatch, "9.0", kind="NVIDIA H20")
+  f, args = PROGRAMS["layer_norm"]
+  text = _export(f, args, expect_warning="'NVIDIA H20'.*Mosaic GPU kernels run instead")
+  assert MOSAIC_GPU in text and TRITON not in text
+  c = 70_000
+  gn = _grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1))
+  text = _export(gn, (_sds((2, 2, 2, c)), _sds((c,)), _sds((c,))),
+                 expect_warning="'NVIDIA H20'",
+                 expect_one="Mosaic GPU kernels cannot run this problem .*the C of GroupNorm.*"
+                            "'NVIDIA H20'.*the pure-JAX reference \\('xla'\\) runs it instead")
+  _assert_reference(text)
+  # JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu takes the same path: no Triton either.
+  monkeypatch.setenv("JAX_NORMGRAD_GPU_BACKEND", "mosaic_gpu")
+  jax.clear_caches()
+  _implementation.warn_once.cache_clear()
+  _assert_reference(_export(gn, (_sds((2, 2, 2, c)), _sds((c,)), _sds((c,))),
+                            expect_warning="'NVIDIA H20'", expect_one="cannot run this problem"))
+
+
+def test_no_gpu_attached_runs_the_reference(jax011):
+  # Exported for CUDA on a CPU machine with no abstract device: jax 0.11's
+  # Triton lowering has no GPU to compile for.
+  f, args = PROGRAMS["rms_norm"]
+  text = _export(jax.jit(f), args, expect_warning="'cpu' \\(cpu device\\); with no GPU attached")
+  _assert_reference(text)
+
+
+def test_target_reads_the_abstract_device():
+  assert gpu_target.target() == gpu_target.Target(
+      jax.devices()[0].device_kind, jax.devices()[0].platform, None)
+  device = jax.sharding.AbstractDevice(device_kind=UNLISTED, num_cores=None, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    assert gpu_target.target() == gpu_target.Target(UNLISTED, "cuda", None, abstract=True)
+
+
+def test_this_jax():
+  """The unpatched check against the installed jax."""
+  if not TRITON_LOWERING_NEEDS_GPU_KIND:
+    # jax before 0.11 lowers Triton for any GPU: nothing to check or register.
+    assert _compat.triton_gpu_info() is None and gpu_target.triton_problem() is None
+    assert not _compat.register_triton_gpu("NVIDIA Test GPU", "8.9")
+    return
+  for kind, supported in (("NVIDIA H100", True), (UNLISTED, False)):
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
+      assert (gpu_target.triton_problem() is None) == supported, kind
