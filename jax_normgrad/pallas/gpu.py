@@ -131,12 +131,17 @@ class _Launch:
   def call(self, kernel, out_shape, *operands, interpret: bool, name: str,
            num_warps: int | None = None):
     """``pallas_call`` over this launch's grid; None operands are left out."""
-    params = pltriton.CompilerParams(num_warps=num_warps or self.plan.num_warps,
-                                     num_stages=self.plan.num_stages)
-    operands = [a for a in operands if a is not None]
-    return pl.pallas_call(kernel, out_shape=common.typed_like(out_shape, operands),
-                          grid=self.grid, interpret=interpret, compiler_params=params,
-                          name=name)(*operands)
+    return _call(kernel, out_shape, operands, grid=self.grid, interpret=interpret, name=name,
+                 num_warps=num_warps or self.plan.num_warps, num_stages=self.plan.num_stages)
+
+
+def _call(kernel, out_shape, operands, *, grid, interpret: bool, name: str, num_warps: int,
+          num_stages: int):
+  """``pallas_call`` of a Triton kernel over ``grid``; None operands are left out."""
+  params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  operands = [a for a in operands if a is not None]
+  return pl.pallas_call(kernel, out_shape=common.typed_like(out_shape, operands), grid=grid,
+                        interpret=interpret, compiler_params=params, name=name)(*operands)
 
 
 # ----------------------------------------------------------------------------
@@ -537,11 +542,8 @@ class _NhwcLaunch:
     return [_load(ref.at[i, s, g], ok) for s in range(self.parts)]
 
   def call(self, kernel, out_shape, *operands, interpret: bool, name: str):
-    params = pltriton.CompilerParams(num_warps=self.plan.num_warps, num_stages=1)
-    operands = [a for a in operands if a is not None]
-    return pl.pallas_call(kernel, out_shape=common.typed_like(out_shape, operands),
-                          grid=self.grid, interpret=interpret, compiler_params=params,
-                          name=name)(*operands)
+    return _call(kernel, out_shape, operands, grid=self.grid, interpret=interpret, name=name,
+                 num_warps=self.plan.num_warps, num_stages=1)
 
 
 def _nhwc_fwd_kernel(*refs, launch: _NhwcLaunch, eps: float, has_weight: bool, has_bias: bool,
