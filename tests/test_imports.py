@@ -141,6 +141,23 @@ def test_pallas_layers():
   assert p + "dispatch" in graph[p + "layer_norm"] and p + "dispatch" in graph[p + "group_norm"]
 
 
+def test_mosaic_gpu_layers():
+  """``mosaic_gpu`` (its docstring): the entry module routes to the rows, pieces and GroupNorm
+  modules, the pieces stand on the other two, and all three on the shared TMA / SMEM plumbing,
+  which stands on none of them."""
+  graph = import_graph()
+  p = "jax_normgrad.pallas.mosaic_gpu"
+  pipeline, rows, pieces, gn = p + "_pipeline", p + "_rows", p + "_pieces", p + "_group_norm"
+  kernels = {rows, pieces, gn}
+  assert kernels <= graph[p] and pipeline not in graph[p]
+  assert {rows, gn} <= graph[pieces]
+  assert not graph[rows] & (kernels | {p}) and not graph[gn] & (kernels | {p})
+  for k in kernels:
+    assert pipeline in graph[k] and p not in graph[k], k
+  assert not graph[pipeline] & (kernels | {p, "jax_normgrad.pallas.dispatch"})
+  assert "jax_normgrad.pallas.common" in graph[pipeline]
+
+
 def test_the_check_sees_deferred_and_relative_imports(tmp_path, monkeypatch):
   # A circle through an import inside a function, and one through a relative
   # import of a name bound in a package's __init__, are both found.

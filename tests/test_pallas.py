@@ -576,7 +576,7 @@ def test_long_group_norm_rows_lower_to_mosaic_gpu():
 
 
 def _pairwise_np(terms):
-  """The order ``mosaic_gpu._fixed_order`` documents: a chain up to 16 terms, else pairs
+  """The order ``mosaic_gpu_pipeline.fixed_order`` documents: a chain up to 16 terms, else pairs
   (0, 1), (2, 3), ... level by level, an odd last term carried up."""
   terms = list(terms)
   if len(terms) <= 16:
@@ -595,9 +595,9 @@ def test_mosaic_gpu_fixed_order_sum_and_moments(rng, n):
   # The documented order, bitwise (float32 adds in numpy are the same IEEE adds), close
   # to the float64 sum; the CTA partial moments merged by the same order (Chan) give the
   # moments of the whole.
-  from jax_normgrad.pallas import common, mosaic_gpu
+  from jax_normgrad.pallas import common, mosaic_gpu_pipeline
   a = rng.normal(1.0, 3.0, size=(n, 2, 33)).astype(np.float32)
-  got = np.asarray(jax.jit(lambda a: mosaic_gpu._ordered_sum(a, 1))(np.moveaxis(a, 0, 1)))
+  got = np.asarray(jax.jit(lambda a: mosaic_gpu_pipeline.ordered_sum(a, 1))(np.moveaxis(a, 0, 1)))
   np.testing.assert_array_equal(got, _pairwise_np(a))
   assert_close(got, a.astype(np.float64).sum(0), F32, n)
   counts = rng.integers(1, 5, size=n)
@@ -605,7 +605,7 @@ def test_mosaic_gpu_fixed_order_sum_and_moments(rng, n):
   parts = np.split(data, np.cumsum(counts)[:-1])
   means = np.stack([p.mean(0) for p in parts])
   m2s = np.stack([((p - p.mean(0)) ** 2).sum(0) for p in parts])
-  merge = lambda m, q: mosaic_gpu._fixed_order(
+  merge = lambda m, q: mosaic_gpu_pipeline.fixed_order(
       (jnp.asarray(counts, F32).reshape(-1, 1), m, q), common.combine_moments)
   _, mean, m2 = jax.jit(merge)(means, m2s)
   assert_close(mean, data.astype(np.float64).mean(0), F32, data.shape[0])

@@ -10,7 +10,9 @@ The modules in layers, each importing only those below it:
   ``gpu_target``: whether Pallas Triton lowers for the targeted GPU;
 * ``gpu`` (Triton), ``mosaic_gpu`` (Mosaic GPU, sm_90+) and ``tpu``: the
   kernels, written once for every op over the segment view of ``common``;
-  imported on first lowering only;
+  imported on first lowering only. ``mosaic_gpu`` routes to
+  ``mosaic_gpu_rows``, ``mosaic_gpu_pieces`` and ``mosaic_gpu_group_norm``,
+  which stand on ``mosaic_gpu_pipeline`` (TMA, SMEM, fixed-order sums);
 * ``common``: the segment description and the per-tile math; ``config``:
   the tile heuristics.
 """

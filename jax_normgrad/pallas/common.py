@@ -5,8 +5,9 @@ kernels: ``x`` viewed as ``(n, a, b)`` is cut into ``n * groups`` segments,
 each normalized on its own, and the parameters are indexed by the channel
 axis (``a`` or ``b``). See :class:`Segments`.
 
-The bottom of ``pallas/``: the kernel modules (``gpu``, ``mosaic_gpu``,
-``tpu``) stand on it, and ``dispatch`` on them; it imports none of them.
+The bottom of ``pallas/``: the kernel modules (``gpu``, ``mosaic_gpu`` and
+its ``mosaic_gpu_*``, ``tpu``) stand on it, and ``dispatch`` on them; it
+imports none of them.
 """
 
 from __future__ import annotations

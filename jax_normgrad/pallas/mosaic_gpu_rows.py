@@ -1,0 +1,275 @@
+"""Mosaic GPU LayerNorm / RMSNorm kernels over rows that fit a CTA's shared memory whole.
+
+Per row: the statistics (forward) or ``c1``, ``c2`` (backward) from the row
+in SMEM, then y, or dx and the float32 parameter-gradient partials, in one
+more pass (``mosaic_gpu`` has the design). The kernels also take the
+statistics or ``c1``, ``c2`` as inputs (``given``), for the pieces of long
+rows (``mosaic_gpu_pieces``), and the residual form's rows (the residual
+and h forward, dh backward).
+
+Stands on ``mosaic_gpu_pipeline`` (and ``common``); ``mosaic_gpu`` chooses
+the plan and calls ``forward`` / ``backward`` here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_normgrad import _compat
+from jax_normgrad.pallas import common
+from jax_normgrad.pallas import mosaic_gpu_pipeline as pipeline
+
+F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------
+# Forward: y, mean, rstd
+
+
+def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has_bias: bool,
+               given: bool = False, has_residual: bool = False):
+  """Per row: statistics from the row in SMEM (two passes, exact), then ``y`` to SMEM and HBM.
+
+  ``given``: the statistics are inputs (pieces of long rows, ``mosaic_gpu_pieces.forward``).
+  ``has_residual``: the residual row is streamed beside x's; every pass
+  reads their float32 sum, so the statistics and y come from it unrounded,
+  and the pass that writes y also writes it as h (rounded once to h's dtype),
+  stored with y.
+  """
+  seg = launch.seg
+  staged = launch.staged(has_weight + has_bias)
+  (x_ref, r_ref, w_ref, b_ref, gmean_ref, grstd_ref, y_ref, mean_ref, rstd_ref, h_ref, xs, rs, ys,
+   hs, ps, bar, pbar) = common.unpack(
+       refs, True, has_residual, has_weight, has_bias, given and seg.centered, given, True,
+       not given and seg.centered, not given, has_residual, True, has_residual, True,
+       has_residual, staged, True, staged)
+  w, _, start, end = launch.rows()
+  piece = launch.piece(w)
+  params = pipeline.params(launch, (w_ref, b_ref), ps, pbar, w)
+
+  def row(i, slot):
+    load = pipeline.row_loader(xs, rs, slot)
+    if given:
+      mean = gmean_ref[i, 0] if seg.centered else None
+      rstd = grstd_ref[i, 0]
+    elif seg.centered:
+      mean = jnp.sum(launch.sum_chunks(lambda k: (load(k),))[0]) / seg.b
+
+      def square(k):
+        d = load(k) - mean
+        ok = launch.in_row(k)
+        d = d if ok is None else jnp.where(ok, d, 0.0)
+        return (d * d,)
+    else:
+      mean = None
+      square = lambda k: (load(k) * load(k),)  # padding is 0
+    if not given:
+      # lax.rsqrt: Mosaic GPU has no sqrt (common.inv_std).
+      rstd = lax.rsqrt(jnp.sum(launch.sum_chunks(square)[0]) / seg.b + jnp.float32(eps))
+    pipeline.wait_output_slot(launch)
+
+    def write(k, carry):
+      x = load(k)
+      if has_residual:
+        hs[slot, k] = x.astype(hs.dtype)
+      ys[slot, k] = common.normalize(x - mean if seg.centered else x, rstd,
+                                     *params(k)).astype(ys.dtype)
+      return carry
+
+    launch.loop(write, 0)
+    pipeline.store_row(launch, (ys, hs), slot, (y_ref, h_ref), i, piece)
+    if not given:
+      if seg.centered:
+        mean_ref[i, 0] = mean
+      rstd_ref[i, 0] = rstd
+
+  pipeline.stream(launch, (x_ref, r_ref), (xs, rs), bar, start, end, row, piece)
+  _compat.plgpu().wait_smem_to_gmem(0)
+
+
+def residual_bytes(residual, h_dtype) -> int:
+  """Bytes per element of the residual form's further forward rows (residual, h): ``extra_bytes``."""
+  if residual is None:
+    return 0
+  return residual.dtype.itemsize + jnp.dtype(h_dtype).itemsize
+
+
+def fwd_scratch(launch: pipeline.Launch, plan, x_dtype, n_params: int, r_dtype=None,
+                h_dtype=None):
+  """The row forward kernel's SMEM: x (and residual) stages, y (and h) stages, the parameters,
+  barriers (``r_dtype``, ``h_dtype``: the residual form's)."""
+  scratch = [launch.smem(plan.stages, x_dtype)]
+  if r_dtype is not None:
+    scratch.append(launch.smem(plan.stages, r_dtype))
+  scratch.append(launch.smem(plan.stages, x_dtype))
+  if r_dtype is not None:
+    scratch.append(launch.smem(plan.stages, h_dtype))
+  if launch.staged(n_params):
+    scratch.append(launch.smem(n_params, F32))
+  scratch.append(pipeline.barrier(1 + (r_dtype is not None), plan.stages))
+  if launch.staged(n_params):
+    scratch.append(pipeline.barrier(n_params))
+  return scratch
+
+
+def forward(x, residual, weight, bias, plan, *, seg: common.Segments, eps: float, interpret,
+            h_dtype=None):
+  """``(y, mean | None, rstd)`` of rows that ``plan`` (``config.mosaic_gpu_plan``) holds whole.
+
+  The residual form (``residual``, ``h_dtype``): ``(y, mean | None, rstd, h)``;
+  see ``mosaic_gpu.forward``.
+  """
+  has_residual = h_dtype is not None
+  n_params = (weight is not None) + (bias is not None)
+  launch = pipeline.Launch(seg, plan, interpret)
+  view = lambda a: None if a is None else launch.view(a.reshape(seg.n, seg.b))
+  stats = jax.ShapeDtypeStruct((seg.n, 1), F32)
+  out_rows = lambda dtype: jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), dtype)
+  scratch = fwd_scratch(launch, plan, x.dtype, n_params,
+                        *((residual.dtype, h_dtype) if has_residual else ()))
+  kernel = functools.partial(fwd_kernel, launch=launch, eps=eps, has_weight=weight is not None,
+                             has_bias=bias is not None, has_residual=has_residual)
+  y, *st = launch.call(
+      kernel, [out_rows(x.dtype)] + [stats] * (1 + seg.centered)
+      + ([out_rows(h_dtype)] if has_residual else []), scratch, view(x), view(residual),
+      launch.view(weight), launch.view(bias), interpret=interpret, name="jax_normgrad_norm_fwd")
+  y = launch.unview(y).reshape(x.shape)
+  if has_residual:
+    st[-1] = launch.unview(st[-1]).reshape(x.shape)
+  return (y, *st) if seg.centered else (y, None, *st)
+
+
+# ----------------------------------------------------------------------------
+# Backward: dx and the parameter gradients
+
+
+def bwd_kernel(*refs, launch: pipeline.Launch, mask: tuple[bool, bool, bool], has_gamma: bool,
+               given: bool = False, has_dh: bool = False):
+  """Per row: ``c1``, ``c2`` from the row in SMEM, then dx and the partial sums in one pass.
+
+  The partials of ``sum dy * xhat`` and ``sum dy`` live in SMEM (one row each,
+  float32) across the CTA's rows and are stored once, as its partial row.
+  ``given``: c1, c2 are inputs (pieces of long rows, ``mosaic_gpu_pieces.backward``).
+  ``has_dh`` (needs ``mask[0]``): h's cotangent, streamed beside x and dy, is
+  added to dx in float32 before dx's one rounding.
+  """
+  seg = launch.seg
+  n_acc = mask[1] + mask[2]
+  given = given and mask[0]
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref, dh_ref, dx_ref, dw_ref, db_ref,
+   xs, dys, dhs, dxs, gs, accs, bar, pbar) = common.unpack(
+       refs, True, True, seg.centered, True, has_gamma, given and seg.centered, given, has_dh,
+       *mask, True, True, has_dh, mask[0], launch.staged(has_gamma), n_acc > 0, True,
+       launch.staged(has_gamma))
+  w, p, start, end = launch.rows()
+  piece = launch.piece(w)
+  params = pipeline.params(launch, (gamma_ref,), gs, pbar, w)
+  width = launch.plan.width
+  zeros = jnp.zeros((width,), F32)
+  if n_acc:
+    def clear(k, carry):
+      for j in range(n_acc):
+        accs[j, k] = zeros
+      return carry
+    launch.loop(clear, 0)
+
+  def row(i, slot):
+    mean = mean_ref[i, 0] if seg.centered else None
+    rstd = rstd_ref[i, 0]
+
+    def tile(k):
+      gamma, = params(k)
+      dy = dys[slot, k].astype(F32)
+      xhat, g = common.xhat_and_g(xs[slot, k].astype(F32), dy, mean, rstd, gamma)
+      return dy, xhat, g  # padded columns: dy = g = 0
+
+    if given:
+      c1 = c1_ref[i, 0] if seg.centered else None
+      c2 = c2_ref[i, 0]
+      pipeline.wait_output_slot(launch)
+    elif mask[0]:
+      def means(k):
+        _, xhat, g = tile(k)
+        return (g, g * xhat)
+      s1, s2 = launch.sum_chunks(means)
+      c1 = jnp.sum(s1) / seg.b if seg.centered else None
+      c2 = jnp.sum(s2) / seg.b
+      pipeline.wait_output_slot(launch)
+
+    def chunk(k, carry):
+      dy, xhat, g = tile(k)
+      if mask[0]:
+        dx = common.grad_input(g, xhat, c1, c2, rstd)
+        if has_dh:
+          dx = dx + dhs[slot, k].astype(F32)
+        dxs[slot, k] = dx.astype(dxs.dtype)
+      terms = [t for t, want in ((dy * xhat, mask[1]), (dy, mask[2])) if want]
+      for j, t in enumerate(terms):
+        accs[j, k] = accs[j, k] + t
+      return carry
+
+    launch.loop(chunk, 0)
+    if mask[0]:
+      pipeline.store_row(launch, (dxs,), slot, (dx_ref,), i, piece)
+
+  pipeline.stream(launch, (x_ref, dy_ref, dh_ref), (xs, dys, dhs), bar, start, end, row, piece)
+  plgpu = _compat.plgpu()
+  if n_acc:
+    plgpu.commit_smem()
+    for j, ref in enumerate(r for r in (dw_ref, db_ref) if r is not None):
+      plgpu.copy_smem_to_gmem(accs.at[j], ref.at[w, p])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def bwd_scratch(launch: pipeline.Launch, plan, x_dtype, dy_dtype, mask, has_gamma: bool,
+                n_acc: int, dh_dtype=None):
+  """The row backward kernel's SMEM: x, dy (and dh, dx) stages, gamma, the partials, barriers."""
+  scratch = [launch.smem(plan.stages, x_dtype), launch.smem(plan.stages, dy_dtype)]
+  if dh_dtype is not None:
+    scratch.append(launch.smem(plan.stages, dh_dtype))
+  if mask[0]:
+    scratch.append(launch.smem(plan.stages, x_dtype))
+  if launch.staged(has_gamma):
+    scratch.append(launch.smem(1, F32))
+  if n_acc:
+    scratch.append(launch.smem(n_acc, F32))
+  scratch.append(pipeline.barrier(2 + (dh_dtype is not None), plan.stages))
+  if launch.staged(has_gamma):
+    scratch.append(pipeline.barrier(1))
+  return scratch
+
+
+def backward(dy, x, mean, rstd, gamma, dh, plan, *, seg: common.Segments, mask, interpret):
+  """``(dx | None, dgamma | None, dbeta | None)`` of rows whose ``plan`` holds them whole.
+
+  ``dh`` (the residual form; needs ``mask[0]``): added to dx in float32
+  before its rounding; see ``mosaic_gpu.backward``.
+  """
+  has_gamma = gamma is not None
+  n_acc = mask[1] + mask[2]
+  launch = pipeline.Launch(seg, plan, interpret)
+  view = lambda a: None if a is None else launch.view(a.reshape(seg.n, seg.b))
+  scratch = bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc,
+                        None if dh is None else dh.dtype)
+  partial = jax.ShapeDtypeStruct((seg.param_groups, launch.ctas, plan.chunks, plan.width), F32)
+  out_shape = ([jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), x.dtype)]
+               if mask[0] else []) + [partial] * n_acc
+  outs = list(launch.call(
+      functools.partial(bwd_kernel, launch=launch, mask=mask, has_gamma=has_gamma,
+                        has_dh=dh is not None), out_shape,
+      scratch, view(dy), view(x), mean, rstd, launch.view(gamma), view(dh), interpret=interpret,
+      name="jax_normgrad_norm_bwd"))
+  dx = launch.unview(outs.pop(0)).reshape(x.shape) if mask[0] else None
+  sums = []
+  for m in mask[1:]:
+    if m:
+      part = outs.pop(0)
+      part = part.reshape(part.shape[:2] + (plan.padded,))[..., :seg.b]
+      sums.append(pipeline.ordered_sum(part, 1))
+    else:
+      sums.append(None)
+  return (dx, *sums)
