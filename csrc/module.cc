@@ -65,18 +65,22 @@ std::string SelectedIsa() {
   const char* forced = std::getenv("JAX_NORMGRAD_ISA");
   if (forced != nullptr && *forced != '\0') {
     const std::string name = forced;
-    std::string why = "no such build (avx512bf16, avx2, generic)";
-    if (name == "avx512bf16" || name == "avx2" || name == "generic")
-      why = "this install has no " + name + " kernels (a source install builds the generic "
-            "ones and the best this CPU runs; JAX_NORMGRAD_ISAS=all in the environment of "
-            "pip install builds all)";
+    std::string why = "no such kernel build (avx512bf16, avx2, generic)";
+    std::string hint;
+    if (name == "avx512bf16" || name == "avx2" || name == "generic") {
+      why = "this install has no " + name + " kernels";
+      hint = "; a source install builds the generic ones and the best this CPU runs, "
+             "JAX_NORMGRAD_ISAS=all in pip install's environment builds them all";
+    }
     for (const auto& [build, runs] : builds) {
       if (build != name) continue;
       if (runs) return name;
       why = "this CPU does not run the " + name + " kernels";
+      hint = "";
     }
-    throw nb::value_error(("JAX_NORMGRAD_ISA=" + name + ": " + why + "; this install has: " +
-                           BuildNames(builds) + ". Unset it for the best one this CPU runs.")
+    throw nb::value_error(("JAX_NORMGRAD_ISA=" + name + ": " + why + " (this install has " +
+                           BuildNames(builds) + hint +
+                           "). Unset it for the best build this CPU runs.")
                               .c_str());
   }
   for (const auto& [name, runs] : builds)
