@@ -448,7 +448,7 @@ def _run_csrc_check(name: str, isa_flags: list[str]) -> None:
   assert result.returncode == 0, result.stdout
 
 
-# The kernel builds (CMakeLists.txt's jng_kernel_variant), with the CPU
+# The kernel builds (CMakeLists.txt's JNG_ISA_FLAGS_<isa>), with the CPU
 # flags (/proc/cpuinfo's names) each needs to run here.
 _ISA_BUILDS = {
     "generic": (["-DJNG_ISA=generic"], []),
