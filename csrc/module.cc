@@ -14,6 +14,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "cpu_isa.h"
 #include "kernels.h"
 
 namespace nb = nanobind;
@@ -29,24 +30,17 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 
 // The kernel builds this module has, best first, each with whether this CPU
 // can run it: "avx512bf16" (AVX2+FMA+F16C with AVX-512 VL/DQ/BF16), "avx2"
-// (AVX2+FMA+F16C), "generic" (the baseline ISA); CMake's JAX_NORMGRAD_ISAS
-// says which of the first two are built, JAX_NORMGRAD_GENERIC whether the
-// last is (always, but in CI's sanitized build).
+// (AVX2+FMA+F16C), "generic" (the baseline ISA). CMake's JAX_NORMGRAD_ISAS
+// says which of the first two are built (by default the best one the building
+// CPU runs; "all" for a wheel meant for other machines), JAX_NORMGRAD_GENERIC
+// whether the last is (always, but in CI's sanitized build).
 std::vector<std::pair<std::string, bool>> IsaBuilds() {
   std::vector<std::pair<std::string, bool>> builds;
-#if defined(JNG_HAVE_AVX2) || defined(JNG_HAVE_AVX512BF16)
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
 #ifdef JNG_HAVE_AVX512BF16
-  builds.emplace_back("avx512bf16", avx2 && __builtin_cpu_supports("avx512f") &&
-                                        __builtin_cpu_supports("avx512vl") &&
-                                        __builtin_cpu_supports("avx512dq") &&
-                                        __builtin_cpu_supports("avx512bf16"));
+  builds.emplace_back("avx512bf16", jax_normgrad::CpuRunsAvx512bf16());
 #endif
 #ifdef JNG_HAVE_AVX2
-  builds.emplace_back("avx2", avx2);
-#endif
+  builds.emplace_back("avx2", jax_normgrad::CpuRunsAvx2());
 #endif
 #ifdef JNG_HAVE_GENERIC
   builds.emplace_back("generic", true);
@@ -54,14 +48,41 @@ std::vector<std::pair<std::string, bool>> IsaBuilds() {
   return builds;
 }
 
+std::string BuildNames(const std::vector<std::pair<std::string, bool>>& builds) {
+  std::string names;
+  for (const auto& [name, runs] : builds)
+    names += (names.empty() ? "" : ", ") + name + (runs ? "" : " (not on this CPU)");
+  return names;
+}
+
 // The best build the CPU runs, or the one the environment variable
-// JAX_NORMGRAD_ISA names (tests and comparisons) where the CPU runs it; a
-// name it cannot run (or does not know) selects the best, and isa() tells.
+// JAX_NORMGRAD_ISA names (tests and comparisons). A name this module has no
+// build of, or whose build this CPU cannot run, is an error (ValueError at
+// import): a comparison must not run other kernels than it asked for. An
+// empty value is no request.
 std::string SelectedIsa() {
   const auto builds = IsaBuilds();
-  if (const char* forced = std::getenv("JAX_NORMGRAD_ISA"))
-    for (const auto& [name, runs] : builds)
-      if (runs && name == forced) return name;
+  const char* forced = std::getenv("JAX_NORMGRAD_ISA");
+  if (forced != nullptr && *forced != '\0') {
+    const std::string name = forced;
+    std::string why = "no such kernel build (avx512bf16, avx2, generic)";
+    std::string hint;
+    if (name == "avx512bf16" || name == "avx2" || name == "generic") {
+      why = "this install has no " + name + " kernels";
+      hint = "; a source install builds the generic ones and the best this CPU runs, "
+             "JAX_NORMGRAD_ISAS=all in pip install's environment builds them all";
+    }
+    for (const auto& [build, runs] : builds) {
+      if (build != name) continue;
+      if (runs) return name;
+      why = "this CPU does not run the " + name + " kernels";
+      hint = "";
+    }
+    throw nb::value_error(("JAX_NORMGRAD_ISA=" + name + ": " + why + " (this install has " +
+                           BuildNames(builds) + hint +
+                           "). Unset it for the best build this CPU runs.")
+                              .c_str());
+  }
   for (const auto& [name, runs] : builds)
     if (runs) return name;
   return "";  // a build without generic kernels on a CPU that runs none of its builds
@@ -80,6 +101,11 @@ std::string SelectedIsa() {
 // it), so CI can assert that it imported the sanitized build.
 #ifndef JNG_SANITIZERS
 #define JNG_SANITIZERS ""
+#endif
+// CMake's JAX_NORMGRAD_ISAS as this module was built with ("host", "all" or
+// names, comma-separated).
+#ifndef JNG_ISAS_REQUESTED
+#define JNG_ISAS_REQUESTED ""
 #endif
 
 void Require(bool ok, const char* what) {
@@ -144,6 +170,7 @@ NB_MODULE(_jax_normgrad, m) {
 #endif
   });
   m.attr("sanitizers") = JNG_SANITIZERS;
+  m.attr("isas_requested") = JNG_ISAS_REQUESTED;
   // Bytes a kernel moves from which it writes its output by non-temporal
   // stores (common.h); tests size their streamed cases past it.
   m.attr("_stream_min_bytes") = jax_normgrad::generic::kStreamMinBytes;

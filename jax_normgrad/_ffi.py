@@ -61,10 +61,12 @@ def isa() -> str | None:
 
   The best build the CPU runs is chosen at import: "avx512bf16" (the AVX2
   kernels with AVX-512 BF16's bfloat16 rounding instruction), "avx2"
-  (AVX2+FMA+F16C), "generic" (the baseline ISA). ``JAX_NORMGRAD_ISA=avx2``
-  or ``=generic`` in the environment before import selects that build
-  instead (for tests and comparisons) where the CPU runs it; a name it
-  cannot run is ignored, which this function shows.
+  (AVX2+FMA+F16C), "generic" (the baseline ISA). A source install has the
+  generic build and the best one the building CPU runs; a wheel built with
+  ``JAX_NORMGRAD_ISAS=all`` has all three (docs/development.md).
+  ``JAX_NORMGRAD_ISA=avx2`` or ``=generic`` in the environment before import
+  selects that build instead (for tests and comparisons); where the install
+  has no such build or the CPU does not run it, the import raises ValueError.
   """
   return _ext.isa() if _ext is not None else None
 

@@ -348,11 +348,22 @@ def _isa_builds() -> dict[str, bool]:
   return dict(_jax_normgrad.isa_builds())
 
 
+def _cpu_best_isa() -> str:
+  """The best kernel build this CPU runs, by /proc/cpuinfo (not by the module's own checks)."""
+  for name in ("avx512bf16", "avx2"):
+    if _cpu_has(*_ISA_BUILDS[name][1]):
+      return name
+  return "generic"
+
+
 def test_isa_selection():
-  """The best build the CPU runs is the default; JAX_NORMGRAD_ISA picks another, or is ignored.
+  """The best build the CPU runs is the default; JAX_NORMGRAD_ISA picks another, or fails clearly.
 
   Every build has the baseline ("generic") kernels last, but .ci/sanitize's, which has only the
-  one its CPU selects (CMake's JAX_NORMGRAD_GENERIC=OFF).
+  one its CPU selects (CMake's JAX_NORMGRAD_GENERIC=OFF). A build for the host (CMake's
+  JAX_NORMGRAD_ISAS=host, a source install's) has the best one this CPU runs and no other but
+  generic; one with them all (=all, .ci/isa-builds) has each the compiler makes. A name the
+  install has no build of, or whose build the CPU does not run, fails the import, naming it.
   """
   import os
   import subprocess
@@ -365,13 +376,23 @@ def test_isa_selection():
   else:
     assert order[-1] == "generic" and builds["generic"]
   assert _default_isa() == next(name for name in order if builds[name])
+  best = _cpu_best_isa()
+  if _jax_normgrad.isas_requested == "host":
+    # A compiler without -mavx512bf16 makes the AVX2 build the best it has for such a CPU.
+    assert _default_isa() == best or (best, _default_isa()) == ("avx512bf16", "avx2"), builds
+    assert set(builds) <= {_default_isa(), "generic"}, builds
+  elif _jax_normgrad.isas_requested == "all" and best != "generic":
+    assert {"avx2", "generic"} <= set(builds), builds
   probe = "import jax_normgrad._ffi as f; print(f.isa())"
-  for forced, want in [("generic", "generic" if "generic" in builds else _default_isa()),
-                       ("no-such-isa", _default_isa()),
-                       *((name, name if runs else _default_isa()) for name, runs in builds.items())]:
+  for forced in ["", "generic", "avx2", "avx512bf16", "no-such-isa"]:
     got = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, JAX_NORMGRAD_ISA=forced),
-                         check=True, capture_output=True, text=True).stdout.strip()
-    assert got == want, (forced, got, want)
+                         capture_output=True, text=True)
+    if not forced or builds.get(forced):
+      assert got.returncode == 0, (forced, got.stderr[-2000:])
+      assert got.stdout.strip() == (forced or _default_isa()), (forced, got.stdout)
+    else:
+      assert got.returncode != 0, (forced, got.stdout)
+      assert f"ValueError: JAX_NORMGRAD_ISA={forced}: " in got.stderr, (forced, got.stderr[-2000:])
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
@@ -382,6 +403,8 @@ def test_other_isa_builds_are_correct_too(isa):
   import subprocess
   import sys
   if not _isa_builds().get(isa):
+    # A source install has the generic build and the best one its CPU runs; .ci/isa-builds
+    # tests the build with them all.
     pytest.skip(f"this CPU or build has no {isa} kernels")
   if isa == _default_isa():
     pytest.skip(f"{isa} is the default build here, tested by the whole suite")
@@ -425,7 +448,7 @@ def _run_csrc_check(name: str, isa_flags: list[str]) -> None:
   assert result.returncode == 0, result.stdout
 
 
-# The kernel builds (CMakeLists.txt's jng_kernel_variant), with the CPU
+# The kernel builds (CMakeLists.txt's JNG_ISA_FLAGS_<isa>), with the CPU
 # flags (/proc/cpuinfo's names) each needs to run here.
 _ISA_BUILDS = {
     "generic": (["-DJNG_ISA=generic"], []),
@@ -524,7 +547,8 @@ def test_avx512bf16_build_computes_the_avx2_builds_bits():
   import tempfile
   builds = _isa_builds()
   if _default_isa() != "avx512bf16" or not builds.get("avx2"):
-    pytest.skip("needs the avx512bf16 build as the default and the avx2 build")
+    pytest.skip("needs the avx512bf16 build as the default and the avx2 build (a source install "
+                "has one of the two: .ci/isa-builds builds both)")
   here = os.path.dirname(os.path.abspath(__file__))
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "avx2.npz")
