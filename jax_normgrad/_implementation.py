@@ -23,6 +23,11 @@ backend: one that cannot run the problem raises. Triton stays the default
 until the Mosaic GPU kernels, which passed their tests on an H100, are timed
 there at least as fast.
 
+A forward primitive also carries ``forward`` (the layers' option, "kernel",
+"xla" or "auto"): "xla" lowers it with the reference whatever the
+implementation, so that XLA fuses it with its neighbours while the backward
+still runs the kernel (``forward_implementation``, ``LAYER_FORWARD_DEFAULT``).
+
 Where the default kernel does not exist yet, the pure-JAX reference ("xla")
 runs instead and a one-time warning says so: no fallback is silent. An
 implementation forced by the user that cannot run on the platform raises.
@@ -93,8 +98,10 @@ def resolve(implementation: str | None, platform: str, op: str, available: dict[
 #: What a layer's forward runs with ``forward=None`` (and ``implementation=None``), per platform:
 #: "kernel" (the forward kernel, as ``forward="kernel"``) or "xla" (the jnp forward, which XLA
 #: fuses with the ops around it, as ``forward="xla"``). The backward is the kernel either way.
-#: Chosen by the in-model benchmarks (BENCHMARKS.md "In a model"): on the CPU the kernel
-#: forward is 3-20x XLA's; on the GPU a custom call cannot join the fusions around it.
+#: Chosen by the in-model benchmarks: on the CPU the kernel forward is 3-20x XLA's; on an
+#: H100 (2026-11-27, BENCHMARKS.md "GPU: norms inside models") XLA's forward, which joins the
+#: fusions around it, made no training step faster (UNet stack 0.98x, transformer 1.03x the
+#: kernel forward's time), so the kernel stays the default there too.
 LAYER_FORWARD_DEFAULT = types.MappingProxyType(
     {"cpu": "kernel", "cuda": "kernel", "rocm": "kernel", "tpu": "kernel"})
 
