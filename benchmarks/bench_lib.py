@@ -222,6 +222,24 @@ def _gpu_pids(events: list[dict]) -> set:
           and str(e.get("args", {}).get("name", "")).startswith("/device:GPU")}
 
 
+def kernel_totals(events: list[dict], names: set[str] | None = None):
+  """``(total us, launches)`` per kernel name (two Counters) over a trace's events.
+
+  The device's events where the trace has a GPU process; else (``names``)
+  the host events named as the compiled module's instructions (none without
+  ``names``).
+  """
+  devices = _gpu_pids(events)
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") != "X":
+      continue
+    if (e["pid"] in devices) if devices else (names is not None and e.get("name") in names):
+      total[e["name"]] += e["dur"]
+      count[e["name"]] += 1
+  return total, count
+
+
 def step_op_ms(step, args, calls: int = 5, top: int = 0, hlo_text: str | None = None) -> dict:
   """Where a jitted step's time goes, from a profile of ``calls`` calls: ms per call.
 
@@ -243,33 +261,21 @@ def step_op_ms(step, args, calls: int = 5, top: int = 0, hlo_text: str | None = 
   names, matmuls = op_names(hlo_text if hlo_text is not None
                              else step.lower(*args).compile().as_text())
   events = trace_events(step, args, calls)
-  gpus = _gpu_pids(events)
-  ops = matmul = norm = 0.0
-  per_kernel, launches = collections.Counter(), collections.Counter()
-  for e in events:
-    name = e.get("name", "")
-    if e.get("ph") != "X":
-      continue
-    if gpus:
-      if e["pid"] not in gpus:
-        continue
-      per_kernel[name] += e["dur"]
-      launches[name] += 1
-      matmul += e["dur"] if GPU_MATMUL_KERNEL.search(name) else 0.0
-      norm += e["dur"] if name.startswith(GPU_NORM_KERNEL) else 0.0
-    elif name not in names:
-      continue  # Python frames, runtime spans: op events are named by their instruction
-    elif name in matmuls:
-      matmul += e["dur"]
-    ops += e["dur"]
+  gpus = bool(_gpu_pids(events))
+  # Python frames, runtime spans: a CPU's op events are named by their instruction.
+  per_kernel, launches = kernel_totals(events, names)
+  ops = sum(per_kernel.values())
+  is_matmul = (lambda k: GPU_MATMUL_KERNEL.search(k)) if gpus else (lambda k: k in matmuls)
+  matmul = sum(t for k, t in per_kernel.items() if is_matmul(k))
+  norm = sum(t for k, t in per_kernel.items() if k.startswith(GPU_NORM_KERNEL))
   out = {"ops": ops / calls / 1e3, "matmul": matmul / calls / 1e3,
          "other": (ops - matmul) / calls / 1e3}
   if gpus:
     out["norm"] = norm / calls / 1e3
     out["launches"] = sum(launches.values()) / calls
-  if top:
+  if top:  # a GPU's kernels (empty on a CPU)
     out["kernels"] = [[k, round(v / calls, 2), launches[k] / calls]
-                      for k, v in per_kernel.most_common(top)]
+                      for k, v in per_kernel.most_common(top)] if gpus else []
   return out
 
 

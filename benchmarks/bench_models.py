@@ -598,8 +598,8 @@ def main(argv=None):
   wanted = set(filter(None, args.variants.split(",")))
 
   def chosen(variants):
-    return [v for v in variants if v in BASELINES[:2] or (v in wanted if wanted else
-                                                          not (gpu and v == "affine"))]
+    return [v for v in variants if v in ("flax", "identity") or (
+        v in wanted if wanted else not (gpu and v == "affine"))]
 
   info = _info(args, settle_s, kept)
   print(json.dumps(info))

@@ -24,7 +24,6 @@ the script, which the test suite runs).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import pathlib
 import sys
@@ -72,15 +71,7 @@ def kernel_times(events: list[dict], calls: int, names: set[str] | None = None) 
   The device's events where the trace has a GPU process; else (``names``)
   the host events named as the compiled module's instructions.
   """
-  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-             and str(e.get("args", {}).get("name", "")).startswith("/device:GPU")}
-  total, count = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get("ph") != "X":
-      continue
-    if (e["pid"] in devices) if devices else (names is not None and e.get("name") in names):
-      total[e["name"]] += e["dur"]
-      count[e["name"]] += 1
+  total, count = bench_lib.kernel_totals(events, names)
   return {k: [round(v / calls, 2), count[k] / calls] for k, v in total.most_common()}
 
 

@@ -290,9 +290,10 @@ def gpu_nhwc_plan(hw: int, c: int, cg: int, itemsize: int, *,
   """The sample-wide plan of a channels-last GroupNorm, or None where the per-group tiles run.
 
   Those run where a group's channels span ``gpu_nhwc_group_bytes`` (forward:
-  ``gpu_nhwc_group_bytes_fwd``) or more (whole sectors already), where ``cg`` is not a power of two (the tile could
-  not be viewed as groups), with one group (the segment is the sample), and
-  where a row of all channels exceeds the tile.
+  ``gpu_nhwc_group_bytes_fwd``) or more (whole sectors already), where ``cg``
+  is not a power of two (the tile could not be viewed as groups), with one
+  group (the segment is the sample), and where a row of all channels exceeds
+  the tile.
   """
   t = current()
   limit = t.gpu_nhwc_max_tile_bwd if backward else t.gpu_nhwc_max_tile_fwd

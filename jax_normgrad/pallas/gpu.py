@@ -561,8 +561,8 @@ def _nhwc_fwd_kernel(*refs, launch: _NhwcLaunch, eps: float, has_weight: bool, h
     then y of this part; part 0 writes the statistics.
   """
   seg, plan = launch.seg, launch.plan
-  x_ref, w_ref, b_ref, *outs = common.unpack(refs, True, has_weight, has_bias) + list(
-      refs[1 + has_weight + has_bias:])
+  x_ref, w_ref, b_ref = common.unpack(refs, True, has_weight, has_bias)
+  outs = list(refs[1 + has_weight + has_bias:])
   w, _, part, start, end, k0, k1 = launch.program()
   weight, bias = launch.params((w_ref, b_ref), w)
   gidx, gok = launch.groups()
