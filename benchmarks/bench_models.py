@@ -54,6 +54,7 @@ file (``--out``) with the machine, versions and the load average.
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import json
 import os
@@ -121,6 +122,26 @@ class Affine(nn.Module):
 def forward_of(variant: str) -> str | None:
   """The drop-ins' ``forward`` for a package variant: ``*_xla`` is XLA's forward, else the kernel."""
   return "xla" if variant.endswith("_xla") else "kernel"
+
+
+def split_variant(variant: str) -> tuple[str, dict]:
+  """``"fused@gpu_nhwc_split=False"`` -> ``("fused", {"gpu_nhwc_split": False})``.
+
+  A variant named ``base@key=value[@key=value...]`` is the model of ``base``
+  with ``jax_normgrad.pallas.config.override(key=value, ...)`` in force
+  while its step is traced: a kernel heuristic compared inside the model,
+  beside the default, in the same interleaved rounds (values are Python
+  literals).
+  """
+  base, *pairs = variant.split("@")
+  tuning = {}
+  for pair in pairs:
+    key, _, value = pair.partition("=")
+    try:
+      tuning[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      tuning[key] = value
+  return base, tuning
 
 
 class NormSiLU(nn.Module):
@@ -380,7 +401,13 @@ def compile_steps(steps: dict[str, tuple], threads: int = 1) -> dict[str, tuple]
   compiles run on ``threads`` threads (XLA compiles without holding the GIL):
   on a GPU a model's variants compile in seconds each, most of a run's time.
   """
-  lowered = {v: (step.lower(*args), args) for v, (step, args) in steps.items()}
+  from jax_normgrad.pallas import config  # pylint: disable=g-import-not-at-top
+
+  def lower(variant, step, args):
+    with config.override(**split_variant(variant)[1]):
+      return step.lower(*args)
+
+  lowered = {v: (lower(v, step, args), args) for v, (step, args) in steps.items()}
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
     compiled = dict(zip(lowered, pool.map(lambda la: la[0].compile(), lowered.values())))
   return {v: (compiled[v], args, low.as_text(), compiled[v].as_text())
@@ -572,7 +599,8 @@ def main(argv=None):
                            "(float32, bfloat16)")
   parser.add_argument("--variants", default="",
                       help="comma-separated variants to run (flax and identity always run; "
-                           "default: all, less 'affine' on a GPU)")
+                           "default: all, less 'affine' on a GPU); 'base@key=value' is variant "
+                           "base traced under config.override(key=value) (split_variant)")
   parser.add_argument("--iters", type=int, default=25, help="timed steps per variant (over the rounds)")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--settle-ms", type=float, default=None,
@@ -598,8 +626,9 @@ def main(argv=None):
   wanted = set(filter(None, args.variants.split(",")))
 
   def chosen(variants):
+    tuned = [v for v in args.variants.split(",") if "@" in v and split_variant(v)[0] in variants]
     return [v for v in variants if v in ("flax", "identity") or (
-        v in wanted if wanted else not (gpu and v == "affine"))]
+        v in wanted if wanted else not (gpu and v == "affine"))] + tuned
 
   info = _info(args, settle_s, kept)
   print(json.dumps(info))
@@ -611,7 +640,7 @@ def main(argv=None):
   for dtype in args.dtypes.split(","):
     dt = jnp.dtype(dtype)
     if args.model in ("unet", "all"):
-      setups = {v: unet_setup(v, size, dt) for v in chosen(unet_variants())}
+      setups = {v: unet_setup(split_variant(v)[0], size, dt) for v in chosen(unet_variants())}
       b, side, channels, blocks, groups = UNET_SIZES[size]
       row = measure_model(f"unet {b}x{side}x{side}x3, channels {'/'.join(map(str, channels))}, "
                           f"{blocks} blocks per level, {groups} groups, {dt.name}", setups, **kw)
@@ -620,7 +649,8 @@ def main(argv=None):
       rows.append(row)
       print_row(row)
     if args.model in ("transformer", "all"):
-      setups = {v: transformer_setup(v, args.norm, size, dt) for v in chosen(TRANSFORMER_VARIANTS)}
+      setups = {v: transformer_setup(split_variant(v)[0], args.norm, size, dt)
+                for v in chosen(TRANSFORMER_VARIANTS)}
       b, tokens, width, heads, blocks = TRANSFORMER_SIZES[size]
       rows.append(measure_model(f"pre-norm transformer {b}x{tokens}x{width}, {heads} heads, "
                                 f"{blocks} blocks, {args.norm} norm, {dt.name}", setups, **kw))

@@ -47,7 +47,8 @@ import jax_normgrad as jn
 from jax_normgrad import _bench
 
 
-def _phases(name: str, fn, args, calls: int) -> None:
+def _phases(name: str, fn, args, calls: int, moved: int) -> None:
+  """Times each phase of ``fn(*args)``; ``moved``: the bytes a call must read and write."""
   t0 = time.perf_counter()
   lowered = jax.jit(fn).lower(*args)
   t1 = time.perf_counter()
@@ -58,10 +59,23 @@ def _phases(name: str, fn, args, calls: int) -> None:
   # Samples of calls issued back to back for about 2 ms (the GPU benchmarks' method).
   steady = np.median(_bench.call_times_ms(compiled, *args, warmup=1, iters=calls, batch_ms=2.0))
   print(f"{name}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s, first call {t3 - t2:.3f} s, "
-        f"steady {steady:.3f} ms/call (median of {calls} samples)", flush=True)
+        f"steady {steady:.3f} ms/call, {moved / steady / 1e9:.2f} TB/s (median of {calls} "
+        "samples)", flush=True)
 
 
-def probe(rows: int, hidden: int, dtype, impl: str, calls: int) -> None:
+def probe(rows: int, hidden: int, dtype, impl: str, calls: int, stages: int | None = None) -> None:
+  """Both phases of ``impl``; ``stages``: Mosaic GPU's ``mosaic_gpu_max_stages`` for the run."""
+  if stages is not None:
+    from jax_normgrad.pallas import config  # pylint: disable=g-import-not-at-top
+    with config.override(mosaic_gpu_max_stages=stages):
+      plans = [config.mosaic_gpu_plan(hidden, jnp.dtype(dtype).itemsize, backward=b,
+                                      params=1 + (not b)) for b in (False, True)]
+      got = ", ".join(f"{k} {p.stages if p else 'pieces'}" for k, p in zip(("fwd", "bwd"), plans))
+      print(f"mosaic_gpu_max_stages={stages}: stages {got}", flush=True)
+      jax.clear_caches()  # the plan is read at trace time
+      probe(rows, hidden, dtype, impl, calls)
+    jax.clear_caches()
+    return
   k = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(k[0], (rows, hidden), jnp.float32).astype(dtype)
   dy = jax.random.normal(k[1], (rows, hidden), jnp.float32).astype(dtype)
@@ -69,10 +83,11 @@ def probe(rows: int, hidden: int, dtype, impl: str, calls: int) -> None:
   b = (0.1 * jax.random.normal(k[3], (hidden,))).astype(dtype)
   tag = f"{impl} LayerNorm {rows}x{hidden} {jnp.dtype(dtype).name}"
   fwd = lambda x, w, b: jn.layer_norm_fwd(x, hidden, w, b, implementation=impl)
-  _phases(f"{tag} fwd", fwd, (x, w, b), calls)
+  size = x.size * x.dtype.itemsize
+  _phases(f"{tag} fwd", fwd, (x, w, b), calls, 2 * size)
   _, mean, rstd = jax.jit(fwd)(x, w, b)
   bwd = lambda dy, x, m, r, w, b: jn.layer_norm_backward(dy, x, hidden, m, r, w, b, implementation=impl)
-  _phases(f"{tag} bwd", bwd, (dy, x, mean, rstd, w, b), calls)
+  _phases(f"{tag} bwd", bwd, (dy, x, mean, rstd, w, b), calls, 3 * size)
 
 
 # ----------------------------------------------------------------------------
@@ -176,6 +191,9 @@ def main(argv=None) -> int:
   parser.add_argument("--impls", default="triton,mosaic_gpu")
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--dump-every", type=float, default=45.0)
+  parser.add_argument("--stages", default="",
+                      help="Mosaic GPU: run once per mosaic_gpu_max_stages in this list "
+                           "(e.g. 2,8: the first kernels' double buffer, then the default)")
   parser.add_argument("--lowered", action="store_true",
                       help="no GPU: export for cuda, print each kernel's lowering and module size")
   args = parser.parse_args(argv)
@@ -190,10 +208,12 @@ def main(argv=None) -> int:
   for rows, hidden in shapes:
     shape = f"{rows}x{hidden}"
     for impl in args.impls.split(","):
-      try:
-        probe(rows, hidden, jnp.dtype(args.dtype), impl, args.calls)
-      except Exception as e:  # a phase that fails: say so, go on with the next
-        print(f"{impl} {shape}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+      runs = [int(s) for s in args.stages.split(",") if s] if impl == "mosaic_gpu" else []
+      for stages in runs or [None]:
+        try:
+          probe(rows, hidden, jnp.dtype(args.dtype), impl, args.calls, stages)
+        except Exception as e:  # a phase that fails: say so, go on with the next
+          print(f"{impl} {shape}: {type(e).__name__}: {str(e)[:400]}", flush=True)
   faulthandler.cancel_dump_traceback_later()
   return 0
 

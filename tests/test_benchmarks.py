@@ -337,6 +337,22 @@ def test_saves_interval_from_paired_rounds():
     bench_models.saves_interval(flax, variant[:-1], base)
 
 
+def test_bench_models_tuned_variants_trace_under_their_override():
+  """``base@key=value``: the base variant's model, its step traced under config.override."""
+  bench_models = _load_script("bench_models.py")
+  from jax_normgrad.pallas import config
+  assert bench_models.split_variant("fused@gpu_nhwc_split=False@gpu_nhwc_max_tile_fwd=4096") == (
+      "fused", {"gpu_nhwc_split": False, "gpu_nhwc_max_tile_fwd": 4096})
+  assert bench_models.split_variant("ours") == ("ours", {})
+  # A step per variant (as training_step makes), reading the tuning while it is traced.
+  step = lambda: jax.jit(lambda x: x * config.current().interpret_programs)
+  x = jnp.ones((2,), jnp.float32)
+  compiled = bench_models.compile_steps({"ours": (step(), (x,)),
+                                         "ours@interpret_programs=7": (step(), (x,))})
+  assert float(compiled["ours"][0](x)[0]) == config.current().interpret_programs
+  assert float(compiled["ours@interpret_programs=7"][0](x)[0]) == 7.0
+
+
 def test_bench_models_transformer_variants_lower_to_their_kernels():
   """The pre-norm stack's variants, lowered only (no compile): the fused add + norm is one kernel."""
   pytest.importorskip("flax")
@@ -385,6 +401,19 @@ def test_gpu_mosaic_probe_runs(capsys):
   assert "xla LayerNorm 8x128 float32 fwd: lower" in text
   assert "xla LayerNorm 8x128 float32 bwd: lower" in text and "ms/call" in text
   assert "nosuch 8x128: ValueError" in text
+
+
+@cases.needs_mosaic_gpu
+def test_gpu_mosaic_probe_stages(capsys):
+  """``--stages``: the Mosaic GPU kernels once per stage cap (interpreted here), each run
+  naming the stages its plans got, each phase its bandwidth."""
+  probe = _load_script("gpu_mosaic_probe.py")
+  assert probe.main(["--shapes", "4x256", "--dtype", "float32", "--impls", "mosaic_gpu",
+                     "--stages", "2,3", "--calls", "1"]) == 0
+  text = capsys.readouterr().out
+  assert "mosaic_gpu_max_stages=2: stages fwd 2, bwd 2" in text
+  assert "mosaic_gpu_max_stages=3: stages fwd 3, bwd 3" in text
+  assert len(re.findall(r"mosaic_gpu LayerNorm 4x256 float32 (fwd|bwd): .* TB/s", text)) == 4
 
 
 @cases.needs_mosaic_gpu

@@ -11,6 +11,7 @@ RMSNorm variant (``centered=False``) is checked through its primitives.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import re
@@ -110,6 +111,26 @@ def test_vmap_with_batched_parameters_lowers_to_pallas(platform):
   _assert_pallas(_export_text(gn, (_sds((3, 2, 9, 9, 24), jnp.bfloat16),
                                    _sds((3, 24), jnp.bfloat16), _sds((3, 24), jnp.bfloat16)),
                               platform), platform)
+
+
+@pytest.mark.parametrize("norm,shape", [
+    (jn.layer_norm, (4, 8, 1000)),
+    (lambda x, w, b: jn.group_norm(x, 32, w, b, channel_axis=-1), (32, 16, 16, 64)),  # sample-wide
+    (lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1), (2, 9, 9, 24)),
+    (lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=1, activation="silu"), (2, 24, 9, 9)),
+])
+@pytest.mark.parametrize("argnums", [(0, 1, 2), (2,)])
+def test_parameter_gradients_take_one_partials_launch(norm, shape, argnums):
+  # dweight and dbias come out of one partial-sums kernel (a launch per norm, not per
+  # parameter: inside a model's step on the GPU the launches cost more than the bytes).
+  # (The layers' backward asks for all three gradients whichever are used.)
+  c = shape[-1] if shape[-1] in (1000, 64, 24) else shape[1]
+  f = jax.grad(lambda x, w, b: jnp.sum(norm(x, w, b).astype(F32)), argnums=argnums)
+  text = _export_text(f, (_sds(shape, F32), _sds((c,), F32), _sds((c,), F32)), "cuda")
+  _assert_pallas(text, "cuda")
+  launches = sum("jax_normgrad_sum_partials" in line for line in text.splitlines()
+                 if "custom_call" in line)
+  assert launches == 1, launches
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -500,6 +521,34 @@ def test_mosaic_gpu_single_stage_and_parameters_from_gmem(rng, smem_bytes, backw
                                     output_mask=(True, True, True), **kw)
     for name, out, expected in zip(("dx", "dweight", "dbias"), outs, refs):
       assert_close(out, expected, F32, h if name == "dx" else m, name)
+
+
+@pytest.mark.parametrize("h,itemsize,backward", [(1024, 2, False), (1024, 2, True),
+                                                 (4096, 4, False), (4096, 4, True),
+                                                 (768, 4, True), (16384, 2, False)])
+def test_mosaic_gpu_plan_keeps_rows_in_flight(h, itemsize, backward):
+  # The stages: the fewest that keep mosaic_gpu_inflight_bytes of rows in flight per SM,
+  # within the SMEM budget and the stage cap; two output stages wherever two inputs fit.
+  t = config.current()
+  plan = config.mosaic_gpu_plan(h, itemsize, backward=backward, params=1 + (not backward))
+  assert plan.smem <= t.mosaic_gpu_smem_bytes and 1 <= plan.stages <= t.mosaic_gpu_max_stages
+  assert plan.out_stages == min(plan.stages, 2)
+  in_row = plan.padded * itemsize * (1 + backward)
+  inflight = lambda stages: config.mosaic_gpu_ctas_per_sm(plan.smem) * (stages - 1) * in_row
+  if plan.stages > 2:  # one fewer would not have reached the target
+    fewer = dataclasses.replace(plan, smem=plan.smem - in_row)
+    assert config.mosaic_gpu_ctas_per_sm(fewer.smem) * (plan.stages - 2) * in_row < (
+        t.mosaic_gpu_inflight_bytes)
+  if plan.stages < t.mosaic_gpu_max_stages and plan.stages > 1:  # reached it, or SMEM is full
+    assert (inflight(plan.stages) >= t.mosaic_gpu_inflight_bytes
+            or plan.smem + in_row > t.mosaic_gpu_smem_bytes)
+  # Rows of 1K-4K elements: at least 48 KiB in flight per SM (the target, or the stage cap's
+  # 7 rows of 1024 bf16), where the double buffer of the first kernels kept 2-8 KiB.
+  if h <= 4096:
+    assert inflight(plan.stages) >= 48 * 1024
+  with config.override(mosaic_gpu_max_stages=2):
+    assert config.mosaic_gpu_plan(h, itemsize, backward=backward,
+                                  params=1 + (not backward)).stages <= 2
 
 
 @needs_mosaic_gpu

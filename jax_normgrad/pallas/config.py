@@ -162,6 +162,14 @@ class Tuning:
   #: Mosaic GPU: most persistent CTAs (one warpgroup each) per SM; more hide
   #: more latency while SMEM lasts.
   mosaic_gpu_max_ctas_per_sm: int = 4
+  #: Mosaic GPU: the HBM bytes an SM's CTAs keep in flight by TMA (the rows
+  #: fetched ahead of the one being computed): Little's law at an H100's
+  #: 3.35 TB/s, 132 SMs and 1-2 us of loaded latency asks 25-50 KiB per SM.
+  #: Two stages (one row ahead) left 2-8 KiB for rows of 1-4K elements, and
+  #: the forward moved 1.5 TB/s (``benchmarks/gpu_mosaic_probe.py``).
+  mosaic_gpu_inflight_bytes: int = 64 * 1024
+  #: Mosaic GPU: most SMEM stages per streamed operand (rows fetched ahead + 1).
+  mosaic_gpu_max_stages: int = 8
 
 
 _tuning = Tuning()
@@ -363,7 +371,10 @@ class MosaicGpuPlan:
       largest TMA box side), 128 for short rows; a multiple of 128 bytes, as
       a TMA copy must be.
     chunks: SMEM rows per data row; ``width * chunks`` is the row zero-padded.
-    stages: SMEM buffers per streamed operand (2: double-buffered).
+    stages: SMEM buffers per streamed input: ``stages - 1`` rows are fetched
+      by TMA while one is computed (1: fetched after it).
+    out_stages: SMEM buffers per output row (2: a row's TMA store drains
+      while the next row is written; 1 where two do not fit).
     params_in_smem: the parameter rows are staged in SMEM once per CTA (else
       read from GMEM, through L2, chunk by chunk).
     smem: SMEM bytes of one CTA.
@@ -374,10 +385,17 @@ class MosaicGpuPlan:
   stages: int
   params_in_smem: bool
   smem: int
+  out_stages: int = 2
 
   @property
   def padded(self) -> int:
     return self.width * self.chunks
+
+
+def mosaic_gpu_ctas_per_sm(smem: int) -> int:
+  """Resident CTAs of ``smem`` bytes each on one SM (at least 1, at most the cap)."""
+  t = current()
+  return min(max(t.mosaic_gpu_smem_per_sm // smem, 1), t.mosaic_gpu_max_ctas_per_sm)
 
 
 def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, outputs: int = 1,
@@ -385,13 +403,18 @@ def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, o
                     extra_bytes: int = 0) -> MosaicGpuPlan | None:
   """The SMEM layout of a row, None when a whole row does not fit one CTA's SMEM.
 
-  A CTA holds, per stage, the streamed inputs (``inputs``; default x, and dy
-  backward) and the output row (y; dx when asked for), plus, once, the
-  float32 parameter rows and (backward, or any kernel passing ``inputs``) the
-  float32 partial-sum rows. ``extra_bytes``: the bytes per element of the
-  further rows each stage holds in their own dtypes (the residual form:
-  the residual and h forward, dh backward). The first that fits of: two
-  stages, one, then both again with the parameters read from GMEM.
+  A CTA holds, per input stage, the streamed inputs (``inputs``; default x,
+  and dy backward; ``extra_bytes``: the bytes per element of the further
+  rows in their own dtypes, the residual form's residual and h forward, dh
+  backward, counted as inputs), per output stage the output row (y; dx when
+  asked for), and once the float32 parameter rows and (backward, or any
+  kernel passing ``inputs``) the float32 partial-sum rows.
+
+  The stages: the fewest (at least 2) whose rows in flight, over the CTAs
+  that fit an SM (``mosaic_gpu_ctas_per_sm``), reach
+  ``mosaic_gpu_inflight_bytes``; else as many as fit (at most
+  ``mosaic_gpu_max_stages``), one where two do not. The parameters are
+  staged in SMEM where a row fits beside them, else read from GMEM.
   """
   width = 256 if h > 128 else 128
   chunks = cdiv(max(h, 1), width)
@@ -400,14 +423,24 @@ def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, o
   row = width * chunks
   if inputs is None:
     inputs, partials = (2, partials) if backward else (1, 0)
-  per_stage = row * (itemsize * (inputs + outputs) + extra_bytes)
+  t = current()
+  in_row = row * (itemsize * inputs + extra_bytes)
+  out_row = row * itemsize * outputs
   for params_in_smem in (True, False):
     fixed = row * 4 * (params * params_in_smem + partials)
-    for stages in (2, 1):
-      smem = stages * per_stage + fixed
-      if smem <= current().mosaic_gpu_smem_bytes:
-        return MosaicGpuPlan(width=width, chunks=chunks, stages=stages,
-                             params_in_smem=params_in_smem, smem=smem)
+    best = None
+    for stages in range(1, max(t.mosaic_gpu_max_stages, 2) + 1):
+      out_stages = min(stages, 2)
+      smem = stages * in_row + out_stages * out_row + fixed
+      if smem > t.mosaic_gpu_smem_bytes:
+        break
+      inflight = mosaic_gpu_ctas_per_sm(smem) * (stages - 1) * in_row
+      best = MosaicGpuPlan(width=width, chunks=chunks, stages=stages,
+                           params_in_smem=params_in_smem, smem=smem, out_stages=out_stages)
+      if stages >= 2 and inflight >= t.mosaic_gpu_inflight_bytes:
+        break
+    if best is not None:
+      return best
   return None
 
 
@@ -416,7 +449,7 @@ def mosaic_gpu_pieces(h: int, itemsize: int, *, backward: bool,
   """Rows too long for ``mosaic_gpu_plan``: ``(pieces, plan)``, a row cut in pieces.
 
   Each piece is ``plan.padded`` elements (a multiple of 256; the last piece
-  zero-padded); the fewest pieces whose plan is double-buffered with the
+  zero-padded); the fewest pieces whose plan streams two stages or more with the
   parameters in SMEM, else the fewest that fit at all. ``kwargs`` as for
   ``mosaic_gpu_plan`` (the most demanding of the kernels that share the pieces).
   """
@@ -427,7 +460,7 @@ def mosaic_gpu_pieces(h: int, itemsize: int, *, backward: bool,
     plan = mosaic_gpu_plan(length, itemsize, backward=backward, **kwargs)
     if plan is None:
       continue
-    if plan.stages == 2 and plan.params_in_smem:
+    if plan.stages >= 2 and plan.params_in_smem:
       return pieces, plan
     fallback = fallback or (pieces, plan)
   return fallback
@@ -438,8 +471,7 @@ def mosaic_gpu_ctas(plan: MosaicGpuPlan, *, interpret: bool) -> int:
   t = current()
   if interpret:
     return t.interpret_programs
-  per_sm = min(max(t.mosaic_gpu_smem_per_sm // plan.smem, 1), t.mosaic_gpu_max_ctas_per_sm)
-  return (_attached_sms() or t.gpu_default_sms) * per_sm
+  return (_attached_sms() or t.gpu_default_sms) * mosaic_gpu_ctas_per_sm(plan.smem)
 
 
 # ----------------------------------------------------------------------------

@@ -308,10 +308,10 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   seg = launch.seg
   precomputed = mask[0] and not launch.plan.fused
   (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref, dh_ref,
-   dx_ref, dx2_ref, dw_ref, db_ref) = common.unpack(
+   dx_ref, dx2_ref, parts_ref) = common.unpack(
        refs, True, True, seg.centered, True, has_gamma, has_beta, precomputed and seg.centered,
-       precomputed, has_dh, mask[0], dx_dy, *mask[1:])
-  partial_refs = [r for r in (dw_ref, db_ref) if r is not None]
+       precomputed, has_dh, mask[0], dx_dy, any(mask[1:]))
+  n_acc = mask[1] + mask[2]
   w, g, p, start, end = launch.program()
 
   def channel_chunk(kc, carry):
@@ -352,11 +352,11 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
 
       return _loop(0, launch.space_chunks, chunk, acc)
 
-    zeros = tuple(jnp.zeros((launch.chan_tile,), F32) for _ in partial_refs)
+    zeros = tuple(jnp.zeros((launch.chan_tile,), F32) for _ in range(n_acc))
     acc = _loop(start, end, sample, zeros)
     idx, ok = launch.channels(g, kc)
-    for ref, a in zip(partial_refs, acc):
-      pltriton.store(ref.at[w, p, idx], a, mask=ok)
+    for j, a in enumerate(acc):
+      pltriton.store(parts_ref.at[j, w, p, idx], a, mask=ok)
     return carry
 
   _loop(0, launch.chan_chunks, channel_chunk, 0)
@@ -383,6 +383,25 @@ def _sum_partials_kernel(part_ref, out_ref, *, blocks: int, width: int, rows: in
 
   acc = lax.fori_loop(0, config.cdiv(count, rows), step, jnp.zeros((rows, width), F32))
   pltriton.store(out_ref.at[w, cols], jnp.sum(acc, axis=0), mask=ok)
+
+
+def _param_grads(parts, mask, *, interpret: bool):
+  """``(dgamma | None, dbeta | None)`` from a backward kernel's partials ``(n, W, P, C)``.
+
+  The n (one or two) partial arrays are one operand, so both parameter
+  gradients take one launch of ``_sum_partials``: launches, not bytes, are
+  what a norm costs inside a model's step on the GPU (BENCHMARKS.md).
+  """
+  if parts is None:
+    return (None, None)
+  n, w, p, c = parts.shape
+  sums = iter(_sum_partials(parts.reshape(n * w, p, c), interpret=interpret).reshape(n, w, c))
+  return tuple(next(sums) if m else None for m in mask[1:])
+
+
+def _partials_shape(seg: common.Segments, programs: int, mask):
+  """The backward kernels' one partials output: ``(dgamma, dbeta)`` rows per program, as asked."""
+  return jax.ShapeDtypeStruct((mask[1] + mask[2], seg.param_groups, programs, seg.channels), F32)
 
 
 def _sum_partials(partials, *, interpret: bool):
@@ -420,9 +439,9 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
                      interpret=interpret, name="jax_normgrad_norm_bwd_stats",
                      num_warps=plan.stats_warps)
     c1, c2 = cs if seg.centered else (None, cs[0])
-  partial = jax.ShapeDtypeStruct((seg.param_groups, launch.programs, seg.channels), F32)
   out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] if mask[0] else []) + (
-      [jax.ShapeDtypeStruct(x.shape, dy.dtype)] if dx_dy else []) + [partial] * sum(mask[1:])
+      [jax.ShapeDtypeStruct(x.shape, dy.dtype)] if dx_dy else []) + (
+      [_partials_shape(seg, launch.programs, mask)] if any(mask[1:]) else [])
   outs = list(launch.call(
       functools.partial(_bwd_kernel, launch=launch, mask=mask, has_dh=dh is not None,
                         dx_dy=dx_dy, early_dh=config.current().gpu_bwd_early_dh, **flags),
@@ -430,8 +449,7 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
       name="jax_normgrad_norm_bwd"))
   dx = outs.pop(0) if mask[0] else None
   dx2 = (outs.pop(0),) if dx_dy else ()
-  return (dx,) + tuple(_sum_partials(outs.pop(0), interpret=interpret) if m else None
-                       for m in mask[1:]) + dx2
+  return (dx, *_param_grads(outs.pop(0) if outs else None, mask, interpret=interpret), *dx2)
 
 
 # ----------------------------------------------------------------------------
@@ -673,8 +691,9 @@ def _nhwc_bwd_kernel(*refs, launch: _NhwcLaunch, mask: tuple[bool, bool, bool],
   if stage == "dx" and mask[0]:
     s1_p, s2_p = outs[:2]
     outs = outs[2:]
-  dx_ref, dw_ref, db_ref = common.unpack(outs, *mask) if stage != "sums" else (None,) * 3
-  partial_refs = [r for r in (dw_ref, db_ref) if r is not None]
+  dx_ref, parts_ref = common.unpack(outs, mask[0], any(mask[1:])) if stage != "sums" else (
+      None, None)
+  n_acc = (mask[1] + mask[2]) if stage != "sums" else 0
 
   def sample(i, acc):
     mean_c = launch.spread(_load(mean_ref.at[i, gidx], gok))
@@ -723,19 +742,18 @@ def _nhwc_bwd_kernel(*refs, launch: _NhwcLaunch, mask: tuple[bool, bool, bool],
 
     return _loop(k0, k1, chunk, acc)
 
-  acc = _loop(start, end, sample, tuple(zeros for _ in partial_refs))
+  acc = _loop(start, end, sample, tuple(zeros for _ in range(n_acc)))
   cols, ok = launch.columns()
-  for ref, a in zip(partial_refs, acc):
-    pltriton.store(ref.at[w, p, cols], jnp.sum(a, axis=0), mask=ok)
+  for j, a in enumerate(acc):
+    pltriton.store(parts_ref.at[j, w, p, cols], jnp.sum(a, axis=0), mask=ok)
 
 
 def _nhwc_backward(dy, x, mean, rstd, gamma, beta, *, seg, plan, mask, interpret):
   """``(dx | None, dgamma | None, dbeta | None)`` of a channels-last GroupNorm, sample-wide."""
   launch = _NhwcLaunch(seg, plan, interpret)
   mask = tuple(mask)
-  partial = jax.ShapeDtypeStruct((seg.param_groups, launch.programs, seg.channels), F32)
   out_shape = ([jax.ShapeDtypeStruct(x.shape, x.dtype)] if mask[0] else []) + (
-      [partial] * sum(mask[1:]))
+      [_partials_shape(seg, launch.programs, mask)] if any(mask[1:]) else [])
   kw = dict(launch=launch, mask=mask, has_gamma=gamma is not None, has_beta=beta is not None)
   operands = (dy, x, mean, rstd, gamma, beta)
   if launch.parts == 1:
@@ -751,5 +769,4 @@ def _nhwc_backward(dy, x, mean, rstd, gamma, beta, *, seg, plan, mask, interpret
                        *operands, *parts, interpret=interpret, name="jax_normgrad_norm_bwd_nhwc")
   outs = list(outs)
   dx = outs.pop(0) if mask[0] else None
-  return (dx,) + tuple(_sum_partials(outs.pop(0), interpret=interpret) if m else None
-                       for m in mask[1:])
+  return (dx, *_param_grads(outs.pop(0) if outs else None, mask, interpret=interpret))

@@ -9,12 +9,15 @@ Design (``config.mosaic_gpu_plan`` has the numbers):
 * Persistent grid: a few CTAs per SM (as many as their SMEM allows, at most
   ``mosaic_gpu_max_ctas_per_sm``); CTA ``p`` of parameter group ``w`` walks a
   contiguous range of that group's rows.
-* Rows are streamed through SMEM by TMA, double-buffered: row ``i + 1`` is in
-  flight while row ``i`` is computed (one buffer where two do not fit). A row
+* Rows are streamed through SMEM by TMA, several rows ahead: rows ``i + 1``
+  to ``i + S - 1`` are in flight while row ``i`` is computed, S stages chosen
+  to keep about 64 KiB of reads in flight per SM over its CTAs (Little's law
+  at HBM3's bandwidth and latency; ``config.mosaic_gpu_plan``), at most 8;
+  one buffer where two do not fit. A row
   is viewed as ``(chunks, width)``, width 128 or 256 (a TMA box side is at
   most 256 elements): one TMA copy per row and operand. The whole row sits in
   SMEM, so x (and dy) is read from HBM once; statistics and dx come from SMEM.
-* Outputs (y, dx) are written to SMEM and stored by TMA, double-buffered too.
+* Outputs (y, dx) are written to SMEM and stored by TMA, double-buffered.
 * dweight / dbias: float32 partial sums per CTA, kept in SMEM across its rows
   and stored once; the partials are summed over CTAs in a fixed order
   (``mosaic_gpu_pipeline.fixed_order``: a pairwise tree in XLA, its HLO small for hundreds of
@@ -38,7 +41,7 @@ once. The backward streams dh beside x (here h) and dy and adds it to dx in
 float32 before dx's rounding. The plans count these rows (``extra_bytes``),
 so rows are single-buffered, or cut in pieces, sooner: whole rows up to
 12.8K elements forward and 8.4K backward in float32 (25.6K and 12.8K in
-16-bit types), double-buffered up to 5.1K and 4.6K (8.4K and 7.1K). The
+16-bit types), two stages or more up to 5.1K and 4.6K (8.4K and 7.1K). The
 pieces' forward moments are of the sum; their output kernels write h / add
 dh. A budget too small even for pieces of 256 (``unsupported``) leaves the
 problem to Triton, announced.

@@ -210,7 +210,8 @@ def sums_kernel(*refs, launch: pipeline.Launch, rows: GroupRows, backward: bool,
 
     launch.loop(clear, 0)
 
-  def row(i, slot):
+  def row(i, slot, out):
+    del out  # no output rows: sums only
     load = pipeline.row_loader(xs, rs, slot)
     coefs = at_row(i)
 
@@ -344,7 +345,7 @@ def _gn_apply_kernel(*refs, launch: pipeline.Launch, rows: GroupRows, has_dy: bo
   at_row = _coef_reader(launch, rows, (m_ref, q_ref, r_ref, p_ref, s_ref, ag_ref, ab_ref), cs,
                         cbar, w)
 
-  def row(i, slot):
+  def row(i, slot, out):
     coefs = at_row(i)
     pipeline.wait_output_slot(launch)
 
@@ -361,11 +362,11 @@ def _gn_apply_kernel(*refs, launch: pipeline.Launch, rows: GroupRows, has_dy: bo
         v = v + dy * p
       elif activation is not None:
         v = _activations.apply(v, activation)
-      outs[slot, k] = v.astype(outs.dtype)
+      outs[out, k] = v.astype(outs.dtype)
       return carry
 
     launch.loop(write, 0)
-    pipeline.store_row(launch, (outs,), slot, (out_ref,), i)
+    pipeline.store_row(launch, (outs,), out, (out_ref,), i)
 
   srcs = (x_ref, dy_ref) if has_dy else (x_ref,)
   pipeline.stream(launch, srcs, (xs, dys) if has_dy else (xs,), bar, start, end, row)
@@ -387,7 +388,7 @@ def _gn_apply(rows: GroupRows, plan, x, dy, m, q, r, p, *, interpret, activation
   scratch = [launch.smem(plan.stages, x.dtype)]
   if has_dy:
     scratch.append(launch.smem(plan.stages, dy.dtype))
-  scratch.append(launch.smem(plan.stages, x.dtype))
+  scratch.append(launch.smem(plan.out_stages, x.dtype))
   if staged:
     scratch.append(launch.smem(n_coef, F32))
   scratch.append(pipeline.barrier(1 + has_dy, plan.stages))

@@ -3,8 +3,8 @@
 * ``Launch``: the static geometry of one launch (the persistent grid, a
   CTA's rows, the ``(chunks, width)`` row view, its SMEM buffers) and the
   ``plgpu.kernel`` call over it;
-* ``stream``: rows streamed GMEM -> SMEM by TMA, double-buffered where two
-  stages fit; ``store_row`` / ``wait_output_slot``: output rows SMEM -> GMEM
+* ``stream``: rows streamed GMEM -> SMEM by TMA, several rows ahead where
+  the stages fit (``config.mosaic_gpu_plan``); ``store_row`` / ``wait_output_slot``: output rows SMEM -> GMEM
   by TMA; ``params``: the parameter rows (staged in SMEM once per CTA, or
   read from GMEM); ``barrier``, ``row_loader``;
 * ``fixed_order`` / ``ordered_sum``: the kernels' float32 partials (per CTA,
@@ -149,37 +149,42 @@ def params(launch, srcs, buf, barrier, w):
 
 
 def stream(launch, srcs, bufs, barrier, start, end, body, piece=None):
-  """Calls ``body(i, slot)`` for rows ``[start, end)`` with ``srcs[.][i]`` in ``bufs[.][slot]``.
+  """Calls ``body(i, slot, out)`` for rows ``[start, end)`` with ``srcs[.][i]`` in ``bufs[.][slot]``.
 
+  ``out``: the output slot row i writes (``out_stages`` of them, in turn).
   ``piece``: the sources are ``(rows, pieces, chunks, width)``; ``[i, piece]`` is streamed.
   A None source (an absent optional operand, such as the residual) is left
-  out; ``barrier`` expects one arrival per present source.
+  out; ``barrier`` has a barrier per stage, each expecting one arrival per
+  present source.
 
-  With two stages row ``i + 1`` is fetched by TMA while row ``i`` is
-  computed; with one, after it. The slot being refilled was last read by the
-  previous row, whose SMEM stores (Pallas places a warpgroup barrier after
-  each) follow all its reads.
+  With S stages the first S - 1 rows are fetched before the loop, and row i
+  fetches row i + S - 1 into the slot row i - 1 used before it waits for its
+  own, so S - 1 rows stay in flight while one is computed (with one stage,
+  row i + 1 is fetched after row i). The slot being refilled was last read by
+  the previous row, whose SMEM stores (Pallas places a warpgroup barrier
+  after each) follow all its reads.
   """
   plgpu = _compat.plgpu()
-  stages = launch.plan.stages
+  stages, out_stages = launch.plan.stages, launch.plan.out_stages
   srcs, bufs = zip(*[(s, b) for s, b in zip(srcs, bufs) if s is not None])
 
   def fetch(i, slot):
     for src, buf in zip(srcs, bufs):
       plgpu.copy_gmem_to_smem(_at(src, i, piece), buf.at[slot], barrier.at[slot])
 
-  @pl.when(start < end)
-  def _():
-    fetch(start, 0)
+  for j in range(max(stages - 1, 1)):  # the prologue: static, at most max_stages - 1 rows
+    @pl.when(start + j < end)
+    def _():
+      fetch(start + j, j)
 
   def row(i, carry):
     slot = lax.rem(i - start, stages)
-    if stages == 2:
-      @pl.when(i + 1 < end)
+    if stages > 1:
+      @pl.when(i + stages - 1 < end)
       def _():
-        fetch(i + 1, 1 - slot)
+        fetch(i + stages - 1, lax.rem(slot + stages - 1, stages))
     plgpu.barrier_wait(barrier.at[slot])
-    body(i, slot)
+    body(i, slot, lax.rem(i - start, out_stages))
     if stages == 1:
       @pl.when(i + 1 < end)
       def _():
@@ -197,6 +202,8 @@ def _at(ref, i, piece):
 def store_row(launch, bufs, slot, dsts, i, piece=None):
   """TMA-stores the output rows in ``bufs[.][slot]`` to ``dsts[.][i]`` (waited for before reuse).
 
+  ``slot``: the output slot ``stream`` gave row i.
+
   None outputs are left out. The copies of one row form one bulk-copy group
   (the last commits it), so ``wait_output_slot`` counts rows, however many
   outputs each has (y, and h in the residual form).
@@ -210,8 +217,8 @@ def store_row(launch, bufs, slot, dsts, i, piece=None):
 
 
 def wait_output_slot(launch):
-  """Before writing an output slot: the stores issued from it ``stages`` rows ago have read it."""
-  _compat.plgpu().wait_smem_to_gmem(launch.plan.stages - 1, wait_read_only=True)
+  """Before writing an output slot: the stores issued from it ``out_stages`` rows ago have read it."""
+  _compat.plgpu().wait_smem_to_gmem(launch.plan.out_stages - 1, wait_read_only=True)
 
 
 def row_loader(xs, rs, slot):

@@ -51,7 +51,7 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
   piece = launch.piece(w)
   params = pipeline.params(launch, (w_ref, b_ref), ps, pbar, w)
 
-  def row(i, slot):
+  def row(i, slot, out):
     load = pipeline.row_loader(xs, rs, slot)
     if given:
       mean = gmean_ref[i, 0] if seg.centered else None
@@ -75,13 +75,13 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
     def write(k, carry):
       x = load(k)
       if has_residual:
-        hs[slot, k] = x.astype(hs.dtype)
-      ys[slot, k] = common.normalize(x - mean if seg.centered else x, rstd,
+        hs[out, k] = x.astype(hs.dtype)
+      ys[out, k] = common.normalize(x - mean if seg.centered else x, rstd,
                                      *params(k)).astype(ys.dtype)
       return carry
 
     launch.loop(write, 0)
-    pipeline.store_row(launch, (ys, hs), slot, (y_ref, h_ref), i, piece)
+    pipeline.store_row(launch, (ys, hs), out, (y_ref, h_ref), i, piece)
     if not given:
       if seg.centered:
         mean_ref[i, 0] = mean
@@ -105,9 +105,9 @@ def fwd_scratch(launch: pipeline.Launch, plan, x_dtype, n_params: int, r_dtype=N
   scratch = [launch.smem(plan.stages, x_dtype)]
   if r_dtype is not None:
     scratch.append(launch.smem(plan.stages, r_dtype))
-  scratch.append(launch.smem(plan.stages, x_dtype))
+  scratch.append(launch.smem(plan.out_stages, x_dtype))
   if r_dtype is not None:
-    scratch.append(launch.smem(plan.stages, h_dtype))
+    scratch.append(launch.smem(plan.out_stages, h_dtype))
   if launch.staged(n_params):
     scratch.append(launch.smem(n_params, F32))
   scratch.append(pipeline.barrier(1 + (r_dtype is not None), plan.stages))
@@ -177,7 +177,7 @@ def bwd_kernel(*refs, launch: pipeline.Launch, mask: tuple[bool, bool, bool], ha
       return carry
     launch.loop(clear, 0)
 
-  def row(i, slot):
+  def row(i, slot, out):
     mean = mean_ref[i, 0] if seg.centered else None
     rstd = rstd_ref[i, 0]
 
@@ -206,7 +206,7 @@ def bwd_kernel(*refs, launch: pipeline.Launch, mask: tuple[bool, bool, bool], ha
         dx = common.grad_input(g, xhat, c1, c2, rstd)
         if has_dh:
           dx = dx + dhs[slot, k].astype(F32)
-        dxs[slot, k] = dx.astype(dxs.dtype)
+        dxs[out, k] = dx.astype(dxs.dtype)
       terms = [t for t, want in ((dy * xhat, mask[1]), (dy, mask[2])) if want]
       for j, t in enumerate(terms):
         accs[j, k] = accs[j, k] + t
@@ -214,7 +214,7 @@ def bwd_kernel(*refs, launch: pipeline.Launch, mask: tuple[bool, bool, bool], ha
 
     launch.loop(chunk, 0)
     if mask[0]:
-      pipeline.store_row(launch, (dxs,), slot, (dx_ref,), i, piece)
+      pipeline.store_row(launch, (dxs,), out, (dx_ref,), i, piece)
 
   pipeline.stream(launch, (x_ref, dy_ref, dh_ref), (xs, dys, dhs), bar, start, end, row, piece)
   plgpu = _compat.plgpu()
@@ -232,7 +232,7 @@ def bwd_scratch(launch: pipeline.Launch, plan, x_dtype, dy_dtype, mask, has_gamm
   if dh_dtype is not None:
     scratch.append(launch.smem(plan.stages, dh_dtype))
   if mask[0]:
-    scratch.append(launch.smem(plan.stages, x_dtype))
+    scratch.append(launch.smem(plan.out_stages, x_dtype))
   if launch.staged(has_gamma):
     scratch.append(launch.smem(1, F32))
   if n_acc:
