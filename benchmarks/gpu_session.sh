@@ -28,7 +28,11 @@
 #   wheels         pip install --target /tmp/site .whl/*.whl (Liger-Kernel, flaxdiff: carry .whl)
 #                  and /tmp/site on PYTHONPATH for the stages after it
 #   models         benchmarks/bench_models.py, both models, float32 and bfloat16, every variant
-#                  (kernel and XLA forwards), kernel times from a profile (MODELS_ARGS: more args)
+#                  (kernel and XLA forwards), kernel times from a profile (MODELS_ARGS: more args,
+#                  e.g. "--model unet --variants fused,fused@gpu_nhwc_split=False": a tuning as
+#                  a variant of its own)
+#   models-graphs  the same with XLA_FLAGS asking for command buffers (CUDA graphs) around every
+#                  kind of thunk (models_graphs.json / .log)
 #   third-party    examples/third_party_unet.py --size gpu: flaxdiff's UNet, flax / drop-ins with
 #                  the kernel forward / with XLA's forward / identities (needs wheels)
 #   forward-tests  tests/test_forward.py, test_layers.py and the drop-in suites on the GPU
@@ -137,11 +141,16 @@ for stage in $stages; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 && site=/tmp/site
       echo "wheels rc=$? at $((SECONDS - start)) s" >>"$OUT/wheels.log" ;;
-    models)
-      PYTHONUNBUFFERED=1 PYTHONPATH=$(srcpath) timeout "$(cap 260 20)" python3 benchmarks/bench_models.py \
-        --dtypes float32,bfloat16 --rounds 6 --iters 60 --profile-rounds 1 --top-kernels 30 \
-        --compile-threads 8 ${MODELS_ARGS:-} --out "$OUT/models.json" >"$OUT/models.log" 2>&1
-      echo "models rc=$? at $((SECONDS - start)) s" >>"$OUT/models.log" ;;
+    models|models-graphs)
+      # models-graphs: the same under XLA's command buffers (CUDA graphs) for every kind of
+      # thunk, the norms' custom calls included: how much of a step's idle time is launches.
+      name=${stage/-/_}; flags=${XLA_FLAGS:-}
+      [ "$stage" = models ] || flags="$flags --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=2"
+      XLA_FLAGS="$flags" PYTHONUNBUFFERED=1 PYTHONPATH=$(srcpath) timeout "$(cap 260 20)" \
+        python3 benchmarks/bench_models.py --dtypes float32,bfloat16 --rounds 6 --iters 60 \
+        --profile-rounds 1 --top-kernels 30 --compile-threads 16 ${MODELS_ARGS:-} \
+        --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+      echo "$stage rc=$? at $((SECONDS - start)) s" >>"$OUT/$name.log" ;;
     third-party)
       PYTHONUNBUFFERED=1 PYTHONPATH=$(srcpath) timeout "$(cap 110 10)" python3 examples/third_party_unet.py \
         --size gpu --rounds 5 --iters 20 --variants flax,ours_kernel,ours_xla,none \
@@ -169,7 +178,9 @@ grep -E "fused|rc=" "$OUT/bench.log" 2>/dev/null | head -12
 grep -E "^\||rc=|rror" "$OUT/sweep.log" 2>/dev/null | grep -v "^| ---" | head -12
 grep -E "^==|rc=|rror" "$OUT/trace.log" 2>/dev/null | head -14
 grep -E " fwd: | bwd: |rc=|rror|^Thread|^  File" "$OUT/mosaic_probe.log" 2>/dev/null | head -24
-grep -E "^(unet|pre-norm)|^  [a-z_]+ +[0-9.]+ ms|norms:|rc=|rror" "$OUT/models.log" 2>/dev/null | head -40
+for log in models.log models_graphs.log; do
+  grep -E "^(unet|pre-norm)|^  [a-z_@=A-Za-z0-9]+ +[0-9.]+ ms|norms:|rc=|rror" "$OUT/$log" 2>/dev/null | head -40
+done
 grep -E "^flaxdiff|^one training|^  ours|rc=|rror" "$OUT/third_party.log" 2>/dev/null | head -8
 cat "$OUT/gn_check.log" 2>/dev/null | tail -14
 tail -1 "$OUT/wheels.log" 2>/dev/null

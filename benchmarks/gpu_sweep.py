@@ -54,7 +54,11 @@ ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
         # A UNet's channels-last GroupNorms (32 groups of 2 and 8 channels, batch 32): the
         # sample-wide kernels, split or whole, against the per-group ones (2026-11-27).
         ("gn_nhwc", (32, 64, 32, 32, 32), jnp.float32), ("gn_nhwc", (32, 64, 32, 32, 32), jnp.bfloat16),
-        ("gn_nhwc", (32, 256, 8, 8, 32), jnp.float32)]
+        ("gn_nhwc", (32, 256, 8, 8, 32), jnp.float32),
+        # bench_models' GPU transformer (batch 32 x 256 tokens of 512): the residual form's
+        # norm at a model's size, where the partial sums took two launches of about 7 us
+        # beside a 26 us backward kernel (H100, 2026-11-27; one launch since).
+        ("add_ln", (8192, 512), jnp.float32), ("add_ln", (8192, 512), jnp.bfloat16)]
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32),
               ("add_rms+f32", (24, 40), jnp.bfloat16)]
 #: name -> config.Tuning changes. "default" is the package's own.
@@ -77,6 +81,9 @@ CONFIGS = {
     "fwd_warps64": {"gpu_warps_per_sm_fwd": 64},
     "fwd_one_row": {"gpu_warps_per_sm_fwd": 1 << 14},  # a program per row, or nearly
     "bwd_warps64": {"gpu_warps_per_sm": 64},
+    # The partial sums in one step of up to 512 rows (16384 elements), where a model's
+    # small columns (512) leave 16-32 programs walking 528 partial rows 128 at a time.
+    "partials_tile16k": {"gpu_partials_tile": 16384},
     # The residual form's forward at 4 elements per thread (the float32 rule until
     # 2026-11-26, 16 bytes) and at 16 (the 16-bit form at the plain forward's 32 bytes).
     "res_fwd_e4": {"gpu_fwd_residual_elems_per_thread": 4},
