@@ -84,6 +84,8 @@ CONFIGS = {
     # The partial sums in one step of up to 512 rows (16384 elements), where a model's
     # small columns (512) leave 16-32 programs walking 528 partial rows 128 at a time.
     "partials_tile16k": {"gpu_partials_tile": 16384},
+    # The partial sums as a fixed-order tree in XLA (one fusion, no kernel of their own).
+    "partials_xla": {"gpu_partials_in_xla": True},
     # The residual form's forward at 4 elements per thread (the float32 rule until
     # 2026-11-26, 16 bytes) and at 16 (the 16-bit form at the plain forward's 32 bytes).
     "res_fwd_e4": {"gpu_fwd_residual_elems_per_thread": 4},

@@ -353,6 +353,38 @@ def test_sum_partials_tiles(rng, cols, tile, w, p, c):
                              rtol=1e-5, atol=1e-5 * p)
 
 
+@pytest.mark.parametrize("norm,shape", [
+    (jn.layer_norm, (37, 300)),
+    (functools.partial(jn.group_norm, num_groups=4, channel_axis=-1), (2, 5, 7, 24)),  # sample-wide
+    (functools.partial(jn.group_norm, num_groups=4, channel_axis=1, activation="silu"),
+     (2, 24, 5, 7)),
+])
+def test_partials_summed_in_xla(rng, norm, shape):
+  """``gpu_partials_in_xla``: the parameter gradients' partials (20 programs' rows: the tree,
+  not the chain) summed in XLA (no kernel of their own): the same gradients as the partials
+  kernel's, to float32 reordering, and bitwise the same from call to call."""
+  c = 24 if len(shape) == 4 else shape[-1]
+  x, ct = random(rng, shape, F32, offset=0.5), random(rng, shape, F32)
+  w, b = random(rng, (c,), F32, offset=1.0), random(rng, (c,), F32)
+  loss = lambda w, b: jnp.sum(norm(x, weight=w, bias=b, implementation="pallas") * ct)
+  grads = {}
+  for in_xla in (False, True):
+    with config.override(gpu_partials_in_xla=in_xla, interpret_programs=20):
+      f = jax.jit(jax.grad(loss, argnums=(0, 1)))
+      grads[in_xla] = [np.asarray(g) for g in f(w, b)]
+      again = f(w, b)
+    jax.clear_caches()
+    for first, second in zip(grads[in_xla], again):
+      np.testing.assert_array_equal(first, np.asarray(second))
+  for got, want in zip(grads[True], grads[False]):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * x.size / c)
+  with config.override(gpu_partials_in_xla=True):
+    text = _export_text(jax.grad(lambda x, w, b: jnp.sum(norm(x, weight=w, bias=b)),
+                                 argnums=(0, 1, 2)),
+                        (_sds(shape, F32), _sds((c,), F32), _sds((c,), F32)), "cuda")
+  assert "jax_normgrad_norm_bwd" in text and "jax_normgrad_sum_partials" not in text
+
+
 @pytest.mark.parametrize("segment,itemsize,kind,warps", [
     # forward: 32 bytes of each input per thread (2026-11-26 sweep, BENCHMARKS-history.md)
     ((1, 1024), 2, "fwd", 2), ((1, 1024), 4, "fwd", 4), ((1, 4096), 4, "fwd", 16),
@@ -621,11 +653,11 @@ def test_long_group_norm_rows_lower_to_mosaic_gpu():
 
 
 # ----------------------------------------------------------------------------
-# Mosaic GPU: the reductions in XLA over CTAs, in a fixed order and a small HLO.
+# The reductions in XLA over CTAs / programs, in a fixed order and a small HLO (common).
 
 
 def _pairwise_np(terms):
-  """The order ``mosaic_gpu_pipeline.fixed_order`` documents: a chain up to 16 terms, else pairs
+  """The order ``common.fixed_order`` documents: a chain up to 16 terms, else pairs
   (0, 1), (2, 3), ... level by level, an odd last term carried up."""
   terms = list(terms)
   if len(terms) <= 16:
@@ -640,13 +672,13 @@ def _pairwise_np(terms):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 16, 17, 40, 521])
-def test_mosaic_gpu_fixed_order_sum_and_moments(rng, n):
+def test_fixed_order_sum_and_moments(rng, n):
   # The documented order, bitwise (float32 adds in numpy are the same IEEE adds), close
   # to the float64 sum; the CTA partial moments merged by the same order (Chan) give the
   # moments of the whole.
-  from jax_normgrad.pallas import common, mosaic_gpu_pipeline
+  from jax_normgrad.pallas import common
   a = rng.normal(1.0, 3.0, size=(n, 2, 33)).astype(np.float32)
-  got = np.asarray(jax.jit(lambda a: mosaic_gpu_pipeline.ordered_sum(a, 1))(np.moveaxis(a, 0, 1)))
+  got = np.asarray(jax.jit(lambda a: common.ordered_sum(a, 1))(np.moveaxis(a, 0, 1)))
   np.testing.assert_array_equal(got, _pairwise_np(a))
   assert_close(got, a.astype(np.float64).sum(0), F32, n)
   counts = rng.integers(1, 5, size=n)
@@ -654,7 +686,7 @@ def test_mosaic_gpu_fixed_order_sum_and_moments(rng, n):
   parts = np.split(data, np.cumsum(counts)[:-1])
   means = np.stack([p.mean(0) for p in parts])
   m2s = np.stack([((p - p.mean(0)) ** 2).sum(0) for p in parts])
-  merge = lambda m, q: mosaic_gpu_pipeline.fixed_order(
+  merge = lambda m, q: common.fixed_order(
       (jnp.asarray(counts, F32).reshape(-1, 1), m, q), common.combine_moments)
   _, mean, m2 = jax.jit(merge)(means, m2s)
   assert_close(mean, data.astype(np.float64).mean(0), F32, data.shape[0])

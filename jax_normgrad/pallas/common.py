@@ -164,14 +164,47 @@ def combine_moments(state, chunk):
   return n, ma + delta * (nb / n), qa + qb + delta * delta * (na * nb / n)
 
 
-def sum_partials(partials):
-  """``(W, P, C)`` float32 partial sums -> ``(W, C)``, added in program order.
+# ----------------------------------------------------------------------------
+# Reductions in XLA over a kernel's partials (CTAs, programs, pieces), in a fixed order.
 
-  A fixed sequence of adds (XLA does not reassociate them): the result is
-  bitwise reproducible. Used where P is small (TPU); the GPU sums its many
-  partials with a Pallas kernel of the same order.
+
+#: Up to this many terms a fixed-order reduction in XLA (``fixed_order``) is a chain; more,
+#: a pairwise tree.
+_CHAIN_TERMS = 16
+
+
+def fixed_order(parts, combine):
+  """``parts`` (a tuple of arrays, the terms along axis 0) reduced by ``combine`` in a fixed order.
+
+  Up to ``_CHAIN_TERMS`` terms: in index order, one after another. More: a
+  pairwise tree, terms (0, 1), (2, 3), ... combined level by level, an odd
+  last one carried up unchanged. Either way XLA is given a fixed expression
+  of elementwise ops, which it does not reassociate, so the result is
+  bitwise reproducible (unlike a ``reduce``, whose order is the compiler's).
+  The tree's HLO grows with log2 of the terms, not with their number: as a
+  chain, the row backward's 500-odd CTA partials were 3K HLO ops (1022 adds,
+  1024 slices) around a kernel of 1.9K ops, and that backward compiled in
+  11-14 s on an H200 (jax 0.11.2), where the forward (a kernel of 1.5K ops,
+  no partials) compiled in 0.3 s (``benchmarks/gpu_mosaic_probe.py``); with
+  the tree, 0.52 s on an H100 (2026-11-27). A
+  ``fori_loop`` instead is an XLA while loop: a kernel launch per term.
   """
-  total = partials[:, 0]
-  for p in range(1, partials.shape[1]):
-    total = total + partials[:, p]
+  n = parts[0].shape[0]
+  if n <= _CHAIN_TERMS:
+    state = tuple(p[0] for p in parts)
+    for j in range(1, n):
+      state = combine(state, tuple(p[j] for p in parts))
+    return state
+  while n > 1:
+    even = n - n % 2
+    merged = combine(tuple(p[0:even:2] for p in parts), tuple(p[1:even:2] for p in parts))
+    if n % 2:
+      merged = tuple(jnp.concatenate([m, p[even:]]) for m, p in zip(merged, parts))
+    parts, n = merged, (n + 1) // 2
+  return tuple(p[0] for p in parts)
+
+
+def ordered_sum(a, axis: int):
+  """``a`` summed over ``axis`` in a fixed order (``fixed_order``): bitwise reproducible."""
+  total, = fixed_order((jnp.moveaxis(a, axis, 0),), lambda x, y: (x[0] + y[0],))
   return total

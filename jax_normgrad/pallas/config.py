@@ -72,6 +72,15 @@ class Tuning:
   #: Triton's num_stages for that loop: at 3 the sm_90 cubin had no shared-memory
   #: buffers (Triton did not pipeline the loads), so 1.
   gpu_partials_stages: int = 1
+  #: Sum those partials in XLA instead (``common.ordered_sum``: a pairwise tree
+  #: of slices and adds, a fixed order as the kernel's), where the sum is an
+  #: elementwise fusion that XLA may merge with what consumes the gradient (an
+  #: optimizer's update): one launch fewer per norm inside a training step,
+  #: where on an H100 a launch left about 6 us of idle GPU (BENCHMARKS.md "GPU:
+  #: norms inside models"), against a fusion that reads P partial rows per
+  #: column. Not timed on a GPU yet: ``benchmarks/bench_models.py --variants
+  #: ours@gpu_partials_in_xla=True`` and gpu_sweep's ``partials_xla`` measure it.
+  gpu_partials_in_xla: bool = False
   #: Bytes of each input one thread holds per tile: 16 is one 128-bit load (4
   #: float32 or 8 16-bit elements); more gives fewer warps per program and more
   #: programs per SM (``gpu_warps_per_sm*``). Forward 32 since 2026-11-26: on an

@@ -390,12 +390,16 @@ def _param_grads(parts, mask, *, interpret: bool):
 
   The n (one or two) partial arrays are one operand, so both parameter
   gradients take one launch of ``_sum_partials``: launches, not bytes, are
-  what a norm costs inside a model's step on the GPU (BENCHMARKS.md).
+  what a norm costs inside a model's step on the GPU (BENCHMARKS.md). With
+  ``gpu_partials_in_xla`` XLA sums them (``config.Tuning``).
   """
   if parts is None:
     return (None, None)
   n, w, p, c = parts.shape
-  sums = iter(_sum_partials(parts.reshape(n * w, p, c), interpret=interpret).reshape(n, w, c))
+  if config.current().gpu_partials_in_xla:
+    sums = iter(common.ordered_sum(parts, 2))
+  else:
+    sums = iter(_sum_partials(parts.reshape(n * w, p, c), interpret=interpret).reshape(n, w, c))
   return tuple(next(sums) if m else None for m in mask[1:])
 
 

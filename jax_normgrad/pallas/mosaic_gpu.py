@@ -20,7 +20,7 @@ Design (``config.mosaic_gpu_plan`` has the numbers):
 * Outputs (y, dx) are written to SMEM and stored by TMA, double-buffered.
 * dweight / dbias: float32 partial sums per CTA, kept in SMEM across its rows
   and stored once; the partials are summed over CTAs in a fixed order
-  (``mosaic_gpu_pipeline.fixed_order``: a pairwise tree in XLA, its HLO small for hundreds of
+  (``common.fixed_order``: a pairwise tree in XLA, its HLO small for hundreds of
   CTAs): bitwise deterministic, no atomics.
 * Rows whose length is not a multiple of the width are padded with zeros in
   XLA (the TMA box must match the SMEM buffer, and a copy must move a multiple

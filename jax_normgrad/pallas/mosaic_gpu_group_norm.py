@@ -13,7 +13,7 @@ as in the row kernels (``mosaic_gpu_rows``):
    i each own a range of its rows and keep per-column float32 accumulators
    in SMEM (Welford's update forward, exact to rounding), stored once as the
    CTA's partial row.
-2. In XLA, on (N, C)-sized arrays, in a fixed order (``pipeline.ordered_sum``, Chan's
+2. In XLA, on (N, C)-sized arrays, in a fixed order (``common.ordered_sum``, Chan's
    merge ``common.combine_moments``): CTA partials -> per (i, c) -> per group
    (statistics; ``c1``, ``c2``) and -> per parameter group (dgamma, dbeta).
    No atomics: bitwise deterministic.
@@ -409,7 +409,7 @@ def _moments(rows: GroupRows, a, b, counts):
   """Per (i, c) ``(mean, M2)`` over the spatial axis from the sums kernel's forward outputs.
 
   Channels-last: the CTA partials merged in a fixed order (Chan's formula,
-  ``pipeline.fixed_order``); NCHW rows in pieces: the pieces, in order.
+  ``common.fixed_order``); NCHW rows in pieces: the pieces, in order.
   """
   if rows.per_row:
     if rows.pieces == 1:
@@ -420,7 +420,7 @@ def _moments(rows: GroupRows, a, b, counts):
       state = common.combine_moments(state, (counts[j], a[..., j], b[..., j]))
     return state[1], state[2]
   counts = jnp.asarray(counts, F32).reshape(-1, 1, 1)
-  _, mean, m2 = pipeline.fixed_order((counts, jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)),
+  _, mean, m2 = common.fixed_order((counts, jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)),
                              common.combine_moments)
   return mean, m2
 
@@ -435,8 +435,8 @@ def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
   # Groups: cg parts of equal count (HW) each, merged exactly.
   shape = (seg.n, seg.groups, seg.cg)
   mc = mean_c.reshape(shape)
-  mean = pipeline.ordered_sum(mc, 2) / seg.cg
-  m2 = pipeline.ordered_sum(m2_c.reshape(shape) + rows.spatial * jnp.square(mc - mean[..., None]),
+  mean = common.ordered_sum(mc, 2) / seg.cg
+  m2 = common.ordered_sum(m2_c.reshape(shape) + rows.spatial * jnp.square(mc - mean[..., None]),
                             2)
   rstd = lax.rsqrt(m2 / seg.count + jnp.float32(eps))
   q = rows.expand(rstd)
@@ -465,10 +465,10 @@ def backward(dy, x, mean, rstd, gamma, beta, *, seg: common.Segments, mask, inte
   s_dy, s_dyx, _ = _gn_sums(rows, sums_plan, x, dy, m, s, interpret=interpret,
                             activation=activation, ag=ag, ab=ab)
   if not rows.per_row:  # CTA partials, in a fixed order
-    s_dy, s_dyx = pipeline.ordered_sum(s_dy, 1), pipeline.ordered_sum(s_dyx, 1)
+    s_dy, s_dyx = common.ordered_sum(s_dy, 1), common.ordered_sum(s_dyx, 1)
   elif rows.pieces > 1:  # pieces, in order
-    s_dy, s_dyx = pipeline.ordered_sum(s_dy, 2), pipeline.ordered_sum(s_dyx, 2)
-  per_group = lambda a: pipeline.ordered_sum(a.reshape(seg.param_groups, seg.per_group, -1), 1)
+    s_dy, s_dyx = common.ordered_sum(s_dy, 2), common.ordered_sum(s_dyx, 2)
+  per_group = lambda a: common.ordered_sum(a.reshape(seg.param_groups, seg.per_group, -1), 1)
   dgamma = per_group(s_dyx) if mask[1] else None
   dbeta = per_group(s_dy) if mask[2] else None
   dx = None
@@ -476,8 +476,8 @@ def backward(dy, x, mean, rstd, gamma, beta, *, seg: common.Segments, mask, inte
     g = rows.per_sample(gamma)
     s_g, s_gx = (s_dy, s_dyx) if g is None else (s_dy * g, s_dyx * g)
     shape = (seg.n, seg.groups, seg.cg)
-    c1 = rows.expand(pipeline.ordered_sum(s_g.reshape(shape), 2) / seg.count)
-    c2 = rows.expand(pipeline.ordered_sum(s_gx.reshape(shape), 2) / seg.count)
+    c1 = rows.expand(common.ordered_sum(s_g.reshape(shape), 2) / seg.count)
+    c2 = rows.expand(common.ordered_sum(s_gx.reshape(shape), 2) / seg.count)
     # dx = rstd * (dy * gamma - c1 - xhat * c2), xhat = (x - mean) * rstd.
     p = s if g is None else s * g
     act = (s, ag, ab) if activation is not None else (None, None, None)

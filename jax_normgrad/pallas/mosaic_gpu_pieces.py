@@ -108,7 +108,7 @@ def forward(x, residual, weight, bias, *, seg: common.Segments, eps: float, inte
       state = common.combine_moments(state, (counts[j], means[:, j], m2s[:, j]))
     mean, m2 = state[1], state[2]
   else:  # the sum of squares: M2 + n * mean^2 per piece
-    mean, m2 = None, pipeline.ordered_sum(m2s + jnp.asarray(counts, F32) * means * means, 1)
+    mean, m2 = None, common.ordered_sum(m2s + jnp.asarray(counts, F32) * means * means, 1)
   rstd = lax.rsqrt(m2 / seg.b + jnp.float32(eps))
   stats = [a.reshape(seg.n, 1) for a in (mean, rstd) if a is not None]
   launch = pipeline.Launch(seg, plan, interpret, pieces=pieces)
@@ -151,8 +151,8 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
     m = mean if seg.centered else jnp.zeros_like(rstd)
     s1, s2 = _piece_sums(seg, pieces, sums_plan, x4, dy4, m, rstd, gamma4, interpret=interpret)
     if seg.centered:
-      cs.append((pipeline.ordered_sum(s1, 1) / seg.b).reshape(seg.n, 1))
-    cs.append((pipeline.ordered_sum(s2, 1) / seg.b).reshape(seg.n, 1))
+      cs.append((common.ordered_sum(s1, 1) / seg.b).reshape(seg.n, 1))
+    cs.append((common.ordered_sum(s2, 1) / seg.b).reshape(seg.n, 1))
   launch = pipeline.Launch(seg, plan, interpret, pieces=pieces)
   scratch = mosaic_gpu_rows.bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc,
                                         None if dh is None else dh.dtype)
@@ -175,5 +175,5 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
       continue
     part = outs.pop(0).reshape(seg.param_groups, pieces, launch.ctas, length)
     part = jnp.moveaxis(part, 1, 2).reshape(seg.param_groups, launch.ctas, pieces * length)
-    sums.append(pipeline.ordered_sum(part[..., :seg.b], 1))
+    sums.append(common.ordered_sum(part[..., :seg.b], 1))
   return (dx, *sums)

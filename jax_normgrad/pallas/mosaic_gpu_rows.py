@@ -269,7 +269,7 @@ def backward(dy, x, mean, rstd, gamma, dh, plan, *, seg: common.Segments, mask, 
     if m:
       part = outs.pop(0)
       part = part.reshape(part.shape[:2] + (plan.padded,))[..., :seg.b]
-      sums.append(pipeline.ordered_sum(part, 1))
+      sums.append(common.ordered_sum(part, 1))
     else:
       sums.append(None)
   return (dx, *sums)

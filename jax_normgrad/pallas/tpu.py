@@ -6,7 +6,7 @@ between the cores of a megacore chip. Each program walks its contiguous
 range of sample blocks along an "arbitrary" axis while its partial
 parameter gradients stay in one output block in VMEM: the accumulation is
 sequential, hence deterministic, with no atomics. The programs' partials
-are added afterwards in a fixed order (``common.sum_partials``).
+are added afterwards in a fixed order (``common.ordered_sum``).
 
 Blocks obey the (8, 128) tiling rule: the last two block dims are either
 whole array dims or multiples of (8 or 16, 128). Ragged edges are masked
@@ -560,5 +560,5 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
   dx = res.pop(0).reshape(x.shape).astype(out_dtype) if mask[0] else None
   dx2 = (res.pop(0).reshape(x.shape).astype(dy_dtype),) if dx_dy else ()
   return (dx,) + tuple(
-      common.sum_partials(res.pop(0).reshape(seg.param_groups, lay.programs, seg.channels))
+      common.ordered_sum(res.pop(0).reshape(seg.param_groups, lay.programs, seg.channels), 1)
       if m else None for m in mask[1:]) + dx2
