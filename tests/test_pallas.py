@@ -28,6 +28,7 @@ from jax_normgrad.ops._common import present
 from jax_normgrad.pallas import config
 from jax_normgrad.primitives.group_norm import group_norm_bwd_p, group_norm_fwd_p
 from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
+import cases
 from cases import DTYPES, MASKS, export_for, needs_mosaic_gpu, random, rotate
 import reference_np as ref
 from tolerances import assert_close
@@ -440,9 +441,10 @@ def _assert_mosaic_gpu(text):
 
 @needs_mosaic_gpu
 @pytest.mark.parametrize("dtype,hidden", [(jnp.float32, 1000), (jnp.bfloat16, 4096),
-                                          (jnp.float32, 768)])
+                                          (jnp.float32, 768), (jnp.float32, 16384)])
 def test_layer_norm_grad_lowers_to_mosaic_gpu(dtype, hidden):
-  # Realistic rows: 768 and 4096 a whole number of 256-wide chunks, 1000 padded.
+  # Realistic rows: 768 and 4096 a whole number of 256-wide chunks, 1000 padded; 16384 float32
+  # forward in place (y over x, two stages), its backward in pieces.
   ln = lambda x, w, b: jn.layer_norm(x, w, b, implementation="mosaic_gpu")
   _assert_mosaic_gpu(_export_cuda(_grad_of(ln), (_sds((4, 512, hidden), dtype),
                                                  _sds((hidden,), dtype), _sds((hidden,), dtype))))
@@ -553,6 +555,35 @@ def test_mosaic_gpu_single_stage_and_parameters_from_gmem(rng, smem_bytes, backw
                                     output_mask=(True, True, True), **kw)
     for name, out, expected in zip(("dx", "dweight", "dbias"), outs, refs):
       assert_close(out, expected, F32, h if name == "dx" else m, name)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("centered", [True, False])
+def test_mosaic_gpu_forward_in_place(rng, centered):
+  # A budget (7000 bytes) where a 300-long float32 row with its y gets one stage: the plain
+  # forward writes y over x instead, three stages of x, the parameters read from GMEM
+  # (11 rows over 3 interpreted CTAs: each slot refilled once its y has been stored). The
+  # interpreter runs a TMA copy when it is issued, so only a GPU tests that order: there,
+  # 20 rows for each of the persistent CTAs.
+  m, h = (11 if cases.PLATFORM == "cpu" else 20 * 132 * 4), 300
+  x = random(rng, (m, h), F32, scale=2.0, offset=0.5)
+  w, b = random(rng, (1, h), F32, offset=1.0), random(rng, (1, h), F32)
+  kw = dict(centered=centered, param_groups=1)
+  with config.override(mosaic_gpu_smem_bytes=7000):
+    assert config.mosaic_gpu_plan(h, 4, backward=False).stages == 1
+    plan = config.mosaic_gpu_plan(h, 4, backward=False, in_place=True)
+    assert (plan.in_place, plan.stages, plan.params_in_smem) == (True, 3, False)
+    # The residual form's rows (more than one output) never: one stage still.
+    res = config.mosaic_gpu_plan(h, 4, backward=False, in_place=True, extra_bytes=2)
+    assert (res.stages, res.in_place) == (1, False)
+    y, *stats = jax.jit(lambda x, w, b: layer_norm_fwd_p.bind(
+        x, w, b, eps=1e-5, has_weight=True, has_bias=centered, write_xhat=False, y_dtype=None,
+        implementation="mosaic_gpu", **kw))(x, w, b)
+  jax.clear_caches()
+  y_ref, *stats_ref = reference.layer_norm_fwd(x, w, b if centered else None, eps=1e-5, **kw)
+  assert_close(y, y_ref, F32, h, "y")
+  for got, want in zip(stats, stats_ref):
+    assert_close(got, want, F32, h)
 
 
 @pytest.mark.parametrize("h,itemsize,backward", [(1024, 2, False), (1024, 2, True),

@@ -387,6 +387,10 @@ class MosaicGpuPlan:
     params_in_smem: the parameter rows are staged in SMEM once per CTA (else
       read from GMEM, through L2, chunk by chunk).
     smem: SMEM bytes of one CTA.
+    in_place: the output row is written over its input row's buffer (no
+      output buffers; ``out_stages == stages``), and a buffer is refilled
+      only once its output's TMA store has read it: long rows that would
+      otherwise get one stage.
   """
 
   width: int
@@ -395,6 +399,7 @@ class MosaicGpuPlan:
   params_in_smem: bool
   smem: int
   out_stages: int = 2
+  in_place: bool = False
 
   @property
   def padded(self) -> int:
@@ -408,8 +413,8 @@ def mosaic_gpu_ctas_per_sm(smem: int) -> int:
 
 
 def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, outputs: int = 1,
-                    partials: int = 2, inputs: int | None = None,
-                    extra_bytes: int = 0) -> MosaicGpuPlan | None:
+                    partials: int = 2, inputs: int | None = None, extra_bytes: int = 0,
+                    in_place: bool = False) -> MosaicGpuPlan | None:
   """The SMEM layout of a row, None when a whole row does not fit one CTA's SMEM.
 
   A CTA holds, per input stage, the streamed inputs (``inputs``; default x,
@@ -424,6 +429,11 @@ def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, o
   ``mosaic_gpu_inflight_bytes``; else as many as fit (at most
   ``mosaic_gpu_max_stages``), one where two do not. The parameters are
   staged in SMEM where a row fits beside them, else read from GMEM.
+
+  ``in_place``: the kernel can write its one output over its one input's
+  buffer (the plain forward); a row that gets one stage otherwise is laid
+  out so (``MosaicGpuPlan.in_place``) where that gives it two or more, its
+  parameters read from GMEM if that is what frees the SMEM.
   """
   width = 256 if h > 128 else 128
   chunks = cdiv(max(h, 1), width)
@@ -432,20 +442,35 @@ def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, o
   row = width * chunks
   if inputs is None:
     inputs, partials = (2, partials) if backward else (1, 0)
-  t = current()
   in_row = row * (itemsize * inputs + extra_bytes)
-  out_row = row * itemsize * outputs
+  fixed = lambda in_smem: row * 4 * (params * in_smem + partials)
+  plan = _mosaic_gpu_stages(width, chunks, in_row, row * itemsize * outputs, fixed)
+  if in_place and outputs == 1 and inputs == 1 and not extra_bytes and (
+      plan is None or plan.stages < 2):
+    over = _mosaic_gpu_stages(width, chunks, in_row, 0, fixed, in_place=True)
+    if over is not None:
+      return over
+  return plan
+
+
+def _mosaic_gpu_stages(width, chunks, in_row, out_row, fixed,
+                       in_place=False) -> MosaicGpuPlan | None:
+  """``mosaic_gpu_plan``'s choice of stages and parameter placement for rows of these sizes.
+
+  ``in_place``: output rows over the input buffers, and two stages at least.
+  """
+  t = current()
   for params_in_smem in (True, False):
-    fixed = row * 4 * (params * params_in_smem + partials)
     best = None
-    for stages in range(1, max(t.mosaic_gpu_max_stages, 2) + 1):
-      out_stages = min(stages, 2)
-      smem = stages * in_row + out_stages * out_row + fixed
+    for stages in range(1 + in_place, max(t.mosaic_gpu_max_stages, 2) + 1):
+      out_stages = stages if in_place else min(stages, 2)
+      smem = stages * in_row + out_stages * out_row + fixed(params_in_smem)
       if smem > t.mosaic_gpu_smem_bytes:
         break
       inflight = mosaic_gpu_ctas_per_sm(smem) * (stages - 1) * in_row
       best = MosaicGpuPlan(width=width, chunks=chunks, stages=stages,
-                           params_in_smem=params_in_smem, smem=smem, out_stages=out_stages)
+                           params_in_smem=params_in_smem, smem=smem, out_stages=out_stages,
+                           in_place=in_place)
       if stages >= 2 and inflight >= t.mosaic_gpu_inflight_bytes:
         break
     if best is not None:

@@ -18,6 +18,10 @@ Design (``config.mosaic_gpu_plan`` has the numbers):
   most 256 elements): one TMA copy per row and operand. The whole row sits in
   SMEM, so x (and dy) is read from HBM once; statistics and dx come from SMEM.
 * Outputs (y, dx) are written to SMEM and stored by TMA, double-buffered.
+  The plain forward of a row so long that a row of x and one of y leave
+  room for one stage writes y over x instead (``MosaicGpuPlan.in_place``:
+  16384 elements, either dtype, get two stages so), and refills a buffer
+  once its y has been stored.
 * dweight / dbias: float32 partial sums per CTA, kept in SMEM across its rows
   and stored once; the partials are summed over CTAs in a fixed order
   (``common.fixed_order``: a pairwise tree in XLA, its HLO small for hundreds of
@@ -101,7 +105,7 @@ def unsupported(seg: common.Segments, itemsize: int, *, backward: bool,
               f"do not fit the Mosaic GPU kernels' shared memory")
     return None
   kw = dict(backward=backward, extra_bytes=extra_bytes)
-  if (config.mosaic_gpu_plan(seg.b, itemsize, **kw) is None
+  if (config.mosaic_gpu_plan(seg.b, itemsize, in_place=not backward, **kw) is None
       and config.mosaic_gpu_pieces(seg.b, itemsize, **kw) is None):
     what = " with the residual form's rows" if extra_bytes else ""
     return (f"rows of {seg.b} elements{what} are longer than the Mosaic GPU kernels' pieces "
@@ -130,7 +134,8 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=N
     return mosaic_gpu_group_norm.forward(x, weight, bias, seg=seg, eps=eps, interpret=interpret)
   n_params = (weight is not None) + (bias is not None)
   plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=False, params=n_params,
-                                extra_bytes=mosaic_gpu_rows.residual_bytes(residual, h_dtype))
+                                extra_bytes=mosaic_gpu_rows.residual_bytes(residual, h_dtype),
+                                in_place=True)
   if plan is None:
     return mosaic_gpu_pieces.forward(x, residual, weight, bias, seg=seg, eps=eps,
                                      interpret=interpret, h_dtype=h_dtype)

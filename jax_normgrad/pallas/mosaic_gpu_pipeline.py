@@ -164,10 +164,13 @@ def stream(launch, srcs, bufs, barrier, start, end, body, piece=None):
   own, so S - 1 rows stay in flight while one is computed (with one stage,
   row i + 1 is fetched after row i). The slot being refilled was last read by
   the previous row, whose SMEM stores (Pallas places a warpgroup barrier
-  after each) follow all its reads.
+  after each) follow all its reads. With ``plan.in_place`` row i writes its
+  output over its input (``out`` is ``slot``), and the refill first waits
+  for row i - 1's TMA store to have read that slot.
   """
   plgpu = _compat.plgpu()
   stages, out_stages = launch.plan.stages, launch.plan.out_stages
+  in_place = launch.plan.in_place
   srcs, bufs = zip(*[(s, b) for s, b in zip(srcs, bufs) if s is not None])
 
   def fetch(i, slot):
@@ -184,9 +187,11 @@ def stream(launch, srcs, bufs, barrier, start, end, body, piece=None):
     if stages > 1:
       @pl.when(i + stages - 1 < end)
       def _():
+        if in_place:  # row i - 1's output is in the slot: stored out first
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         fetch(i + stages - 1, lax.rem(slot + stages - 1, stages))
     plgpu.barrier_wait(barrier.at[slot])
-    body(i, slot, lax.rem(i - start, out_stages))
+    body(i, slot, slot if in_place else lax.rem(i - start, out_stages))
     if stages == 1:
       @pl.when(i + 1 < end)
       def _():

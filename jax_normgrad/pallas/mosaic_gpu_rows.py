@@ -42,11 +42,13 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
   """
   seg = launch.seg
   staged = launch.staged(has_weight + has_bias)
+  in_place = launch.plan.in_place  # y written over x's row (no residual)
   (x_ref, r_ref, w_ref, b_ref, gmean_ref, grstd_ref, y_ref, mean_ref, rstd_ref, h_ref, xs, rs, ys,
    hs, ps, bar, pbar) = common.unpack(
        refs, True, has_residual, has_weight, has_bias, given and seg.centered, given, True,
-       not given and seg.centered, not given, has_residual, True, has_residual, True,
+       not given and seg.centered, not given, has_residual, True, has_residual, not in_place,
        has_residual, staged, True, staged)
+  ys = xs if in_place else ys
   w, _, start, end = launch.rows()
   piece = launch.piece(w)
   params = pipeline.params(launch, (w_ref, b_ref), ps, pbar, w)
@@ -105,7 +107,8 @@ def fwd_scratch(launch: pipeline.Launch, plan, x_dtype, n_params: int, r_dtype=N
   scratch = [launch.smem(plan.stages, x_dtype)]
   if r_dtype is not None:
     scratch.append(launch.smem(plan.stages, r_dtype))
-  scratch.append(launch.smem(plan.out_stages, x_dtype))
+  if not plan.in_place:  # else y is written over x
+    scratch.append(launch.smem(plan.out_stages, x_dtype))
   if r_dtype is not None:
     scratch.append(launch.smem(plan.out_stages, h_dtype))
   if launch.staged(n_params):
