@@ -69,8 +69,9 @@ def probe(rows: int, hidden: int, dtype, impl: str, calls: int, stages: int | No
     from jax_normgrad.pallas import config  # pylint: disable=g-import-not-at-top
     with config.override(mosaic_gpu_max_stages=stages):
       plans = [config.mosaic_gpu_plan(hidden, jnp.dtype(dtype).itemsize, backward=b,
-                                      params=1 + (not b)) for b in (False, True)]
-      got = ", ".join(f"{k} {p.stages if p else 'pieces'}" for k, p in zip(("fwd", "bwd"), plans))
+                                      params=1 + (not b), in_place=not b) for b in (False, True)]
+      got = ", ".join(f"{k} {p.stages if p else 'pieces'}{' in place' if p and p.in_place else ''}"
+                      for k, p in zip(("fwd", "bwd"), plans))
       print(f"mosaic_gpu_max_stages={stages}: stages {got}", flush=True)
       jax.clear_caches()  # the plan is read at trace time
       probe(rows, hidden, dtype, impl, calls)

@@ -145,7 +145,8 @@ for stage in $stages; do
       # models-graphs: the same under XLA's command buffers (CUDA graphs) for every kind of
       # thunk, the norms' custom calls included: how much of a step's idle time is launches.
       name=${stage/-/_}; flags=${XLA_FLAGS:-}
-      [ "$stage" = models ] || flags="$flags --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=2"
+      graphs="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+      [ "$stage" = models ] || flags="$flags $graphs --xla_gpu_graph_min_graph_size=2"
       XLA_FLAGS="$flags" PYTHONUNBUFFERED=1 PYTHONPATH=$(srcpath) timeout "$(cap 260 20)" \
         python3 benchmarks/bench_models.py --dtypes float32,bfloat16 --rounds 6 --iters 60 \
         --profile-rounds 1 --top-kernels 30 --compile-threads 16 ${MODELS_ARGS:-} \

@@ -421,7 +421,7 @@ def _moments(rows: GroupRows, a, b, counts):
     return state[1], state[2]
   counts = jnp.asarray(counts, F32).reshape(-1, 1, 1)
   _, mean, m2 = common.fixed_order((counts, jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)),
-                             common.combine_moments)
+                                   common.combine_moments)
   return mean, m2
 
 
@@ -437,7 +437,7 @@ def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
   mc = mean_c.reshape(shape)
   mean = common.ordered_sum(mc, 2) / seg.cg
   m2 = common.ordered_sum(m2_c.reshape(shape) + rows.spatial * jnp.square(mc - mean[..., None]),
-                            2)
+                          2)
   rstd = lax.rsqrt(m2 / seg.count + jnp.float32(eps))
   q = rows.expand(rstd)
   weight = rows.per_sample(weight)

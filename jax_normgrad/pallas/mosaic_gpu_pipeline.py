@@ -151,7 +151,7 @@ def params(launch, srcs, buf, barrier, w):
 
 
 def stream(launch, srcs, bufs, barrier, start, end, body, piece=None):
-  """Calls ``body(i, slot, out)`` for rows ``[start, end)`` with ``srcs[.][i]`` in ``bufs[.][slot]``.
+  """``body(i, slot, out)`` for rows ``[start, end)``, ``srcs[.][i]`` in ``bufs[.][slot]``.
 
   ``out``: the output slot row i writes (``out_stages`` of them, in turn).
   ``piece``: the sources are ``(rows, pieces, chunks, width)``; ``[i, piece]`` is streamed.
@@ -224,7 +224,7 @@ def store_row(launch, bufs, slot, dsts, i, piece=None):
 
 
 def wait_output_slot(launch):
-  """Before writing an output slot: the stores issued from it ``out_stages`` rows ago have read it."""
+  """Before writing an output slot: the store issued from it ``out_stages`` rows ago has read it."""
   _compat.plgpu().wait_smem_to_gmem(launch.plan.out_stages - 1, wait_read_only=True)
 
 
