@@ -229,10 +229,13 @@ class TestGroupNormPallas(GroupNormOpTests):
 
 
 # Mosaic GPU: rows of more than one 256-wide chunk in both layouts (C = 300
-# channels-last, HW = 300 NCHW), and fewer rows than GN_CASES' largest.
+# channels-last, HW = 300 NCHW), NCHW segments held whole (HW = 128: a
+# segment of 2 channels is one row of two chunks), and fewer rows than
+# GN_CASES' largest.
 MOSAIC_GPU_CASES = [c for c in GN_CASES if c[0] not in ((4, 64, 9), (5, 96, 33))] + [
     ((2, 4, 300), 2, 300, 4, 10, True),
     ((2, 8, 300), 2, 8, 300, 2, False),
+    ((2, 8, 128), 2, 8, 128, 4, False),
 ]
 
 

@@ -143,15 +143,15 @@ def test_pallas_layers():
 
 def test_mosaic_gpu_layers():
   """``mosaic_gpu`` (its docstring): the entry module routes to the rows, pieces and GroupNorm
-  modules, the pieces stand on the other two, and all three on the shared TMA / SMEM plumbing,
-  which stands on none of them."""
+  modules, the pieces stand on the other two, GroupNorm on the rows (its whole segments), and
+  all three on the shared TMA / SMEM plumbing, which stands on none of them."""
   graph = import_graph()
   p = "jax_normgrad.pallas.mosaic_gpu"
   pipeline, rows, pieces, gn = p + "_pipeline", p + "_rows", p + "_pieces", p + "_group_norm"
   kernels = {rows, pieces, gn}
   assert kernels <= graph[p] and pipeline not in graph[p]
-  assert {rows, gn} <= graph[pieces]
-  assert not graph[rows] & (kernels | {p}) and not graph[gn] & (kernels | {p})
+  assert {rows, gn} <= graph[pieces] and rows in graph[gn]
+  assert not graph[rows] & (kernels | {p}) and not graph[gn] & ({pieces, p})
   for k in kernels:
     assert pipeline in graph[k] and p not in graph[k], k
   assert not graph[pipeline] & (kernels | {p, "jax_normgrad.pallas.dispatch"})

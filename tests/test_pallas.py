@@ -463,13 +463,17 @@ def test_rms_norm_and_vmap_lower_to_mosaic_gpu():
 @pytest.mark.parametrize("shape,axis", [((8, 32, 32, 320), -1), ((8, 320, 32, 32), 1)])
 def test_group_norm_grad_lowers_to_mosaic_gpu(dtype, activation, shape, axis):
   # A UNet block's GroupNorm (32 groups of 10 channels, 32x32; + SiLU), both layouts:
-  # every kernel (sums and apply, forward and backward) is a Mosaic GPU one, none Triton.
+  # every kernel is a Mosaic GPU one, none Triton: channels-last sums and apply each way;
+  # NCHW segments of 10 x 1024 held whole, a kernel each way, but for the float32 backward
+  # (x, dy, dx and two partial rows of 40 KiB: one stage only), which takes the two passes.
   gn = lambda x, w, b: jn.group_norm(x, 32, w, b, channel_axis=axis, activation=activation,
                                      implementation="mosaic_gpu")
   text = _export_cuda(_grad_of(gn), (_sds(shape, dtype), _sds((320,), dtype),
                                      _sds((320,), dtype)))
   _assert_mosaic_gpu(text)
-  assert "jax_normgrad_norm_fwd_stats" in text and "jax_normgrad_norm_bwd_sums" in text
+  two_pass = ("jax_normgrad_norm_fwd_stats" in text, "jax_normgrad_norm_bwd_sums" in text)
+  expected = (True, True) if axis == -1 else (False, dtype == F32)
+  assert two_pass == expected, two_pass
 
 
 @needs_mosaic_gpu
@@ -490,6 +494,65 @@ def test_mosaic_gpu_group_norm_param_groups_and_partials(rng):
   for got, want in zip(grads["mosaic_gpu"], grads["xla"]):
     assert got.shape == want.shape
     assert_close(got, want, F32, 27)
+
+
+@needs_mosaic_gpu
+def test_mosaic_gpu_group_norm_whole_segments(rng, monkeypatch):
+  # NCHW segments held whole (one kernel each way, x and dy read once): HW = 256 and 128
+  # (chunk widths 256 and 128) under vmap with per-example parameters (param_groups 2), the
+  # fused SiLU, every gradient; then the backward's output masks. Per-channel parameter
+  # gradients from per-CTA partials (6 interpreted CTAs).
+  from jax_normgrad.pallas import common, mosaic_gpu_group_norm
+  used = []
+  for name in ("_forward_whole", "_backward_whole"):
+    real = getattr(mosaic_gpu_group_norm, name)
+    monkeypatch.setattr(mosaic_gpu_group_norm, name,
+                        lambda *a, real=real, name=name, **k: (used.append(name), real(*a, **k))[1])
+  c, groups = 6, 3
+  with config.override(interpret_programs=6):
+    for hw, act in ((256, "silu"), (128, None)):
+      shape = (2, 2, c, hw)
+      x, ct = random(rng, shape, F32, offset=0.5), random(rng, shape, F32)
+      w, b = random(rng, (2, c), F32, offset=1.0), random(rng, (2, c), F32)
+      seg = common.Segments("channels_first", 2, c, hw, groups, 1, activation=act)
+      assert mosaic_gpu_group_norm._whole_segments(seg, 4, backward=True) is not None
+      grads = {}
+      for impl in ("mosaic_gpu", "xla"):
+        loss = lambda x, w, b, ct, impl=impl: jnp.sum(jn.group_norm(
+            x, groups, w, b, channel_axis=1, activation=act, implementation=impl) * ct)
+        grads[impl] = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2))))(x, w, b, ct)
+      for got, want in zip(jax.tree.leaves(grads["mosaic_gpu"]), jax.tree.leaves(grads["xla"])):
+        assert got.shape == want.shape
+        assert_close(got, want, F32, 2 * hw)
+    n, hw, group = 3, 128, 2
+    x, dy = random(rng, (n, c * hw), F32, offset=0.5), random(rng, (n, c * hw), F32)
+    w = random(rng, (c,), F32, offset=1.0)
+    _, mean, rstd = ref.gn_fwd(x, None, None, n, c, hw, group, 1e-5, False)
+    refs = ref.gn_bwd(dy, x, mean, rstd, w, n, c, hw, group, False)
+    for mask in ((True, False, False), (False, True, True), (False, False, True)):
+      outs = jn.group_norm_backward(dy, x, mean.astype(np.float32), rstd.astype(np.float32), w,
+                                    n, c, hw, group, mask, implementation="mosaic_gpu")
+      for out, expected, m, reduced in zip(outs, refs, mask, (c // group * hw, n * hw, n * hw)):
+        assert (out is None) == (not m)
+        if m:
+          assert_close(out, expected, F32, reduced)
+  jax.clear_caches()
+  assert used.count("_forward_whole") >= 2 and used.count("_backward_whole") >= 5, used
+
+
+@needs_mosaic_gpu
+def test_mosaic_gpu_group_norm_whole_segments_need_two_stages():
+  # HW not a multiple of 128, channels-last, or a segment leaving room for one stage only:
+  # the two-pass kernels (which read several rows of HW ahead).
+  from jax_normgrad.pallas import common, mosaic_gpu_group_norm
+  whole = lambda seg, **kw: mosaic_gpu_group_norm._whole_segments(seg, 4, **kw)
+  nchw = lambda hw, c=64: common.Segments("channels_first", 8, c, hw, 32, 1)
+  assert whole(nchw(1024), backward=False)[1].stages >= 2
+  assert whole(nchw(1024), backward=True)[1].stages >= 2
+  assert whole(nchw(81), backward=False) is None
+  assert whole(common.Segments("channels_last", 8, 1024, 64, 32, 1), backward=False) is None
+  # 8 channels of 64x64 in float32: 128 KiB a segment, y over x gives one stage only.
+  assert whole(nchw(4096, c=256), backward=False) is None
 
 
 @needs_mosaic_gpu

@@ -414,7 +414,7 @@ def mosaic_gpu_ctas_per_sm(smem: int) -> int:
 
 def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, outputs: int = 1,
                     partials: int = 2, inputs: int | None = None, extra_bytes: int = 0,
-                    in_place: bool = False) -> MosaicGpuPlan | None:
+                    in_place: bool = False, width: int | None = None) -> MosaicGpuPlan | None:
   """The SMEM layout of a row, None when a whole row does not fit one CTA's SMEM.
 
   A CTA holds, per input stage, the streamed inputs (``inputs``; default x,
@@ -433,9 +433,10 @@ def mosaic_gpu_plan(h: int, itemsize: int, *, backward: bool, params: int = 2, o
   ``in_place``: the kernel can write its one output over its one input's
   buffer (the plain forward); a row that gets one stage otherwise is laid
   out so (``MosaicGpuPlan.in_place``) where that gives it two or more, its
-  parameters read from GMEM if that is what frees the SMEM.
+  parameters read from GMEM if that is what frees the SMEM. ``width``: the
+  chunk width where the caller needs one (128 or 256).
   """
-  width = 256 if h > 128 else 128
+  width = width or (256 if h > 128 else 128)
   chunks = cdiv(max(h, 1), width)
   if chunks > 256:  # a TMA box side
     return None

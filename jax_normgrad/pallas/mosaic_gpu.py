@@ -73,10 +73,13 @@ The modules, each importing only those below it:
 
 * ``mosaic_gpu`` (this one): what the kernels can run (``unsupported``) and
   ``forward`` / ``backward``, which route a problem to
-* ``mosaic_gpu_rows`` (rows that fit SMEM whole), ``mosaic_gpu_pieces``
-  (longer rows; it uses the other two) and ``mosaic_gpu_group_norm``;
+* ``mosaic_gpu_pieces`` (longer rows; it uses the other two),
+* ``mosaic_gpu_group_norm`` (its whole NCHW segments are rows of the row
+  kernels) and
+* ``mosaic_gpu_rows`` (rows that fit SMEM whole);
 * ``mosaic_gpu_pipeline``: the launch geometry, the TMA / SMEM streaming and
-  barriers they share, and the fixed-order sums of their partials in XLA.
+  barriers they share (``common``: the fixed-order sums of their partials in
+  XLA).
 """
 
 from __future__ import annotations

@@ -21,17 +21,20 @@ as in the row kernels (``mosaic_gpu_rows``):
    coefficients (a scalar per NCHW row; per channels-last sample a vector,
    staged in SMEM once per CTA): y, or dx = rstd * (dy * gamma - c1 - xhat * c2).
 
-x (and dy) are read twice, where the Triton kernels read a segment that
-fits their tile once. An NCHW segment of cg * HW elements often fits SMEM
-(320 channels in 32 groups at 32x32: 40 KiB in float32): a fused kernel
-holding a whole segment would read x once there (the next step).
+x (and dy) are read twice there. An NCHW segment of cg * HW elements often
+fits SMEM (320 channels in 32 groups at 32x32: 40 KiB in float32); where it
+does and HW is a multiple of 128 (``_whole_segments``), each segment is
+instead one row of the row kernels (``mosaic_gpu_rows``, with
+``ChannelChunks``: per-channel parameters, statistics and parameter
+gradients, the activation), and x and dy are read once, one kernel each
+way.
 
 Both kernels (``sums_kernel``, ``_gn_apply_kernel``) are row kernels over
 ``GroupRows``, the GroupNorm segment as rows. ``sums_kernel`` also gives the
 pieces of long LayerNorm rows their moments and sums (``mosaic_gpu_pieces``).
 
-Stands on ``mosaic_gpu_pipeline`` (and ``common``, ``config``);
-``mosaic_gpu`` calls ``forward`` / ``backward`` here.
+Stands on ``mosaic_gpu_rows`` and ``mosaic_gpu_pipeline`` (and ``common``,
+``config``); ``mosaic_gpu`` calls ``forward`` / ``backward`` here.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_normgrad import _activations, _compat
-from jax_normgrad.pallas import common, config
+from jax_normgrad.pallas import common, config, mosaic_gpu_rows
 from jax_normgrad.pallas import mosaic_gpu_pipeline as pipeline
 
 F32 = jnp.float32
@@ -425,8 +428,102 @@ def _moments(rows: GroupRows, a, b, counts):
   return mean, m2
 
 
+# ----------------------------------------------------------------------------
+# NCHW segments held whole: one pass each way
+
+
+def _whole_segments(seg: common.Segments, itemsize: int, *, backward: bool,
+                    mask=(True, True, True)):
+  """``(ChannelChunks, plan)`` where each NCHW segment is one row of the row kernels, else None.
+
+  Needs HW a multiple of 128 (a chunk in one channel) and a segment in SMEM
+  with two stages or more (the plain forward writes y over x where that
+  gives it more; a single stage would read no row ahead, and the two-pass
+  kernels do, several rows of HW each).
+  """
+  if seg.chan_axis != 1:
+    return None
+  width = next((w for w in (256, 128) if seg.b % w == 0), None)
+  if width is None:
+    return None
+  length = seg.cg * seg.b
+  if backward:
+    plan = config.mosaic_gpu_plan(length, itemsize, backward=True, params=0,
+                                  outputs=int(mask[0]), partials=mask[1] + mask[2], width=width)
+  else:
+    plan = config.mosaic_gpu_plan(length, itemsize, backward=False, params=0, in_place=True,
+                                  width=width)
+  if plan is None or plan.stages < 2:
+    return None
+  return mosaic_gpu_rows.ChannelChunks(groups=seg.groups, cg=seg.cg, cpc=seg.b // width), plan
+
+
+def _segment_launch(seg: common.Segments, plan, interpret):
+  """The row kernels' launch over the segments: rows of ``cg * HW``, a piece per group."""
+  rows = common.Segments("rows", seg.n, 1, seg.cg * seg.b, groups=1,
+                         param_groups=seg.param_groups, activation=seg.activation)
+  return pipeline.Launch(rows, plan, interpret, pieces=seg.groups)
+
+
+def _per_channel(a, seg: common.Segments):
+  """A ``(C,)`` or ``(W, C)`` parameter as the kernels' float32 ``(W, C)`` rows (None stays)."""
+  return None if a is None else a.astype(F32).reshape(seg.param_groups, seg.channels)
+
+
+def _forward_whole(x, weight, bias, channels, plan, *, seg, eps, interpret):
+  """``(y, mean, rstd)``: each segment read once, its statistics and y from SMEM."""
+  launch = _segment_launch(seg, plan, interpret)
+  x4 = x.reshape(seg.n, seg.groups, plan.chunks, plan.width)
+  stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
+  kernel = functools.partial(mosaic_gpu_rows.fwd_kernel, launch=launch, eps=eps,
+                             has_weight=weight is not None, has_bias=bias is not None,
+                             channels=channels)
+  y, mean, rstd = launch.call(
+      kernel, [jax.ShapeDtypeStruct(x4.shape, x.dtype), stats, stats],
+      mosaic_gpu_rows.fwd_scratch(launch, plan, x.dtype, 0), x4, None,
+      _per_channel(weight, seg), _per_channel(bias, seg), interpret=interpret,
+      name="jax_normgrad_norm_fwd")
+  return y.reshape(x.shape), mean, rstd
+
+
+def _backward_whole(dy, x, mean, rstd, gamma, beta, channels, plan, *, seg, mask, interpret):
+  """``(dx | None, dgamma | None, dbeta | None)``: each segment's x and dy read once.
+
+  The kernel leaves per-(CTA, channel) partial sums; XLA adds them over the
+  CTAs in a fixed order.
+  """
+  launch = _segment_launch(seg, plan, interpret)
+  view = lambda a: a.reshape(seg.n, seg.groups, plan.chunks, plan.width)
+  n_acc = mask[1] + mask[2]
+  has_beta = seg.activation is not None and beta is not None
+  partial = jax.ShapeDtypeStruct((seg.param_groups * seg.groups, launch.ctas, seg.cg), F32)
+  out_shape = ([jax.ShapeDtypeStruct(view(x).shape, x.dtype)] if mask[0] else []) + (
+      [partial] * n_acc)
+  outs = list(launch.call(
+      functools.partial(mosaic_gpu_rows.bwd_kernel, launch=launch, mask=mask,
+                        has_gamma=gamma is not None, has_beta=has_beta, channels=channels),
+      out_shape, mosaic_gpu_rows.bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, False, n_acc),
+      view(dy), view(x), mean, rstd, _per_channel(gamma, seg),
+      _per_channel(beta, seg) if has_beta else None, interpret=interpret,
+      name="jax_normgrad_norm_bwd"))
+  dx = outs.pop(0).reshape(x.shape) if mask[0] else None
+  sums = []
+  for want in mask[1:]:
+    part = outs.pop(0).reshape(seg.param_groups, seg.groups, launch.ctas, seg.cg) if want else None
+    sums.append(None if part is None else
+                common.ordered_sum(part, 2).reshape(seg.param_groups, seg.channels))
+  return (dx, *sums)
+
+
+# ----------------------------------------------------------------------------
+# The entry points
+
+
 def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
-  """GroupNorm ``(y, mean, rstd)``: sums, statistics in XLA, then y."""
+  """GroupNorm ``(y, mean, rstd)``: sums, statistics in XLA, then y (or NCHW segments whole)."""
+  whole = _whole_segments(seg, x.dtype.itemsize, backward=False)
+  if whole is not None:
+    return _forward_whole(x, weight, bias, *whole, seg=seg, eps=eps, interpret=interpret)
   rows = GroupRows(seg)
   has_r = bias is not None
   sums_plan, apply_plan = rows.plans(x.dtype.itemsize, backward=False, has_r=has_r)
@@ -455,6 +552,10 @@ def backward(dy, x, mean, rstd, gamma, beta, *, seg: common.Segments, mask, inte
   recomputed from x and the per-(i, c) rstd, gamma, beta; dgamma and dbeta
   are then of z's cotangent, as the primitive defines them.
   """
+  whole = _whole_segments(seg, x.dtype.itemsize, backward=True, mask=mask)
+  if whole is not None:
+    return _backward_whole(dy, x, mean, rstd, gamma, beta, *whole, seg=seg, mask=mask,
+                           interpret=interpret)
   rows = GroupRows(seg)
   sums_plan, apply_plan = rows.plans(x.dtype.itemsize, backward=True, mask=mask)
   m, s = rows.expand(mean), rows.expand(rstd)

@@ -91,14 +91,15 @@ class Launch:
     """``body(k, carry)`` over the chunks of a row."""
     return lax.fori_loop(0, self.plan.chunks, body, init)
 
-  def sum_chunks(self, term):
-    """``sum_k term(k)`` over the chunks of a row, elementwise (term: a tuple of arrays).
+  def sum_chunks(self, term, count=None):
+    """``sum_k term(k)`` over the chunks of a row (or the first ``count``), elementwise.
 
-    The first term is the initial carry: a loop carry keeps its register
-    layout, and a zeros array would have a different one (splat).
+    ``term``: a tuple of arrays. The first term is the initial carry: a loop
+    carry keeps its register layout, and a zeros array would have a
+    different one (splat).
     """
     add = lambda k, acc: tuple(a + t for a, t in zip(acc, term(k)))
-    return lax.fori_loop(1, self.plan.chunks, add, term(0))
+    return lax.fori_loop(1, self.plan.chunks if count is None else count, add, term(0))
 
   def in_row(self, k, length=None):
     """Mask of the chunk-k elements inside the (unpadded) row; None without padding.

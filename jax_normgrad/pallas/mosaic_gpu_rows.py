@@ -5,7 +5,9 @@ in SMEM, then y, or dx and the float32 parameter-gradient partials, in one
 more pass (``mosaic_gpu`` has the design). The kernels also take the
 statistics or ``c1``, ``c2`` as inputs (``given``), for the pieces of long
 rows (``mosaic_gpu_pieces``), and the residual form's rows (the residual
-and h forward, dh backward).
+and h forward, dh backward). With ``channels`` (``ChannelChunks``) a row is
+a GroupNorm NCHW segment held whole (``mosaic_gpu_group_norm``): per-channel
+parameters, statistics and parameter gradients, the fused activation.
 
 Stands on ``mosaic_gpu_pipeline`` (and ``common``); ``mosaic_gpu`` chooses
 the plan and calls ``forward`` / ``backward`` here.
@@ -13,6 +15,7 @@ the plan and calls ``forward`` / ``backward`` here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,22 +29,70 @@ from jax_normgrad.pallas import mosaic_gpu_pipeline as pipeline
 F32 = jnp.float32
 
 
+@dataclasses.dataclass(frozen=True)
+class ChannelChunks:
+  """Rows that are GroupNorm NCHW segments ``(i, g)``: ``cg`` channels of ``cpc`` chunks each.
+
+  The launch has ``groups`` pieces per row (``pipeline.Launch(pieces=)``): its
+  CTA row ``w`` is parameter group ``w // groups``, GroupNorm group ``w %
+  groups``, and x is viewed as ``(N, groups, chunks, width)``. A chunk lies
+  in one channel (``width`` divides HW), so the parameters are per-chunk
+  scalars, read from the float32 ``(W, C)`` rows in GMEM; the statistics are
+  ``(N, groups)``; the parameter gradients are reduced per channel once per
+  CTA, from its per-column sums (``store_partials``).
+  """
+
+  groups: int
+  cg: int
+  cpc: int
+
+  def params(self, refs, w):
+    """``read(k)``: the scalars of chunk k's channel, one per ref (None where absent)."""
+    wg, g = lax.div(w, self.groups), lax.rem(w, self.groups)
+
+    def read(k):
+      c = g * self.cg + lax.div(k, self.cpc)
+      return [None if r is None else r[wg, c] for r in refs]
+
+    return read
+
+  def store_partials(self, launch, accs, refs, w, p):
+    """Each channel's sum of the CTA's per-column sums ``accs[j]`` to ``refs[j][w, p, c]``."""
+    cpc = self.cpc
+
+    def channel(c, carry):
+      sums = launch.sum_chunks(lambda k: tuple(accs[j, c * cpc + k] for j in range(len(refs))),
+                               cpc)
+      for ref, a in zip(refs, sums):
+        ref[w, p, c] = jnp.sum(a)
+      return carry
+
+    lax.fori_loop(0, self.cg, channel, 0)
+
+
+def _stats_column(channels, piece):
+  """The column of a row's statistics: its group's (``ChannelChunks``), else 0."""
+  return 0 if channels is None else piece
+
+
 # ----------------------------------------------------------------------------
 # Forward: y, mean, rstd
 
 
 def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has_bias: bool,
-               given: bool = False, has_residual: bool = False):
+               given: bool = False, has_residual: bool = False,
+               channels: ChannelChunks | None = None):
   """Per row: statistics from the row in SMEM (two passes, exact), then ``y`` to SMEM and HBM.
 
   ``given``: the statistics are inputs (pieces of long rows, ``mosaic_gpu_pieces.forward``).
   ``has_residual``: the residual row is streamed beside x's; every pass
   reads their float32 sum, so the statistics and y come from it unrounded,
   and the pass that writes y also writes it as h (rounded once to h's dtype),
-  stored with y.
+  stored with y. ``channels``: GroupNorm segments (``ChannelChunks``); y is
+  ``seg.activation`` of the normalized row.
   """
   seg = launch.seg
-  staged = launch.staged(has_weight + has_bias)
+  staged = channels is None and launch.staged(has_weight + has_bias)
   in_place = launch.plan.in_place  # y written over x's row (no residual)
   (x_ref, r_ref, w_ref, b_ref, gmean_ref, grstd_ref, y_ref, mean_ref, rstd_ref, h_ref, xs, rs, ys,
    hs, ps, bar, pbar) = common.unpack(
@@ -51,7 +102,11 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
   ys = xs if in_place else ys
   w, _, start, end = launch.rows()
   piece = launch.piece(w)
-  params = pipeline.params(launch, (w_ref, b_ref), ps, pbar, w)
+  col = _stats_column(channels, piece)
+  if channels is None:
+    params = pipeline.params(launch, (w_ref, b_ref), ps, pbar, w)
+  else:
+    params = channels.params((w_ref, b_ref), w)
 
   def row(i, slot, out):
     load = pipeline.row_loader(xs, rs, slot)
@@ -78,16 +133,16 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
       x = load(k)
       if has_residual:
         hs[out, k] = x.astype(hs.dtype)
-      ys[out, k] = common.normalize(x - mean if seg.centered else x, rstd,
-                                     *params(k)).astype(ys.dtype)
+      ys[out, k] = common.normalize(x - mean if seg.centered else x, rstd, *params(k),
+                                    seg.activation).astype(ys.dtype)
       return carry
 
     launch.loop(write, 0)
     pipeline.store_row(launch, (ys, hs), out, (y_ref, h_ref), i, piece)
     if not given:
       if seg.centered:
-        mean_ref[i, 0] = mean
-      rstd_ref[i, 0] = rstd
+        mean_ref[i, col] = mean
+      rstd_ref[i, col] = rstd
 
   pipeline.stream(launch, (x_ref, r_ref), (xs, rs), bar, start, end, row, piece)
   _compat.plgpu().wait_smem_to_gmem(0)
@@ -151,26 +206,34 @@ def forward(x, residual, weight, bias, plan, *, seg: common.Segments, eps: float
 
 
 def bwd_kernel(*refs, launch: pipeline.Launch, mask: tuple[bool, bool, bool], has_gamma: bool,
-               given: bool = False, has_dh: bool = False):
+               given: bool = False, has_dh: bool = False, has_beta: bool = False,
+               channels: ChannelChunks | None = None):
   """Per row: ``c1``, ``c2`` from the row in SMEM, then dx and the partial sums in one pass.
 
   The partials of ``sum dy * xhat`` and ``sum dy`` live in SMEM (one row each,
   float32) across the CTA's rows and are stored once, as its partial row.
   ``given``: c1, c2 are inputs (pieces of long rows, ``mosaic_gpu_pieces.backward``).
   ``has_dh`` (needs ``mask[0]``): h's cotangent, streamed beside x and dy, is
-  added to dx in float32 before dx's one rounding.
+  added to dx in float32 before dx's one rounding. ``channels``: GroupNorm
+  segments (``ChannelChunks``): dy is first ``dy * act'(z)`` with
+  ``seg.activation`` (beta, ``has_beta``, recomputes z), and the partials
+  are stored per channel.
   """
   seg = launch.seg
   n_acc = mask[1] + mask[2]
   given = given and mask[0]
-  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, c1_ref, c2_ref, dh_ref, dx_ref, dw_ref, db_ref,
-   xs, dys, dhs, dxs, gs, accs, bar, pbar) = common.unpack(
-       refs, True, True, seg.centered, True, has_gamma, given and seg.centered, given, has_dh,
-       *mask, True, True, has_dh, mask[0], launch.staged(has_gamma), n_acc > 0, True,
-       launch.staged(has_gamma))
+  staged = channels is None and launch.staged(has_gamma)
+  (dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref, dh_ref, dx_ref, dw_ref,
+   db_ref, xs, dys, dhs, dxs, gs, accs, bar, pbar) = common.unpack(
+       refs, True, True, seg.centered, True, has_gamma, has_beta, given and seg.centered, given,
+       has_dh, *mask, True, True, has_dh, mask[0], staged, n_acc > 0, True, staged)
   w, p, start, end = launch.rows()
   piece = launch.piece(w)
-  params = pipeline.params(launch, (gamma_ref,), gs, pbar, w)
+  col = _stats_column(channels, piece)
+  if channels is None:
+    params = pipeline.params(launch, (gamma_ref, beta_ref), gs, pbar, w)
+  else:
+    params = channels.params((gamma_ref, beta_ref), w)
   width = launch.plan.width
   zeros = jnp.zeros((width,), F32)
   if n_acc:
@@ -181,13 +244,15 @@ def bwd_kernel(*refs, launch: pipeline.Launch, mask: tuple[bool, bool, bool], ha
     launch.loop(clear, 0)
 
   def row(i, slot, out):
-    mean = mean_ref[i, 0] if seg.centered else None
-    rstd = rstd_ref[i, 0]
+    mean = mean_ref[i, col] if seg.centered else None
+    rstd = rstd_ref[i, col]
 
     def tile(k):
-      gamma, = params(k)
-      dy = dys[slot, k].astype(F32)
-      xhat, g = common.xhat_and_g(xs[slot, k].astype(F32), dy, mean, rstd, gamma)
+      gamma, beta = params(k)
+      x = xs[slot, k].astype(F32)
+      dy = common.pre_activation_grad(dys[slot, k].astype(F32), x, mean, rstd, gamma, beta,
+                                      seg.activation)
+      xhat, g = common.xhat_and_g(x, dy, mean, rstd, gamma)
       return dy, xhat, g  # padded columns: dy = g = 0
 
     if given:
@@ -221,9 +286,12 @@ def bwd_kernel(*refs, launch: pipeline.Launch, mask: tuple[bool, bool, bool], ha
 
   pipeline.stream(launch, (x_ref, dy_ref, dh_ref), (xs, dys, dhs), bar, start, end, row, piece)
   plgpu = _compat.plgpu()
-  if n_acc:
+  partial_refs = [r for r in (dw_ref, db_ref) if r is not None]
+  if n_acc and channels is not None:
+    channels.store_partials(launch, accs, partial_refs, w, p)
+  elif n_acc:
     plgpu.commit_smem()
-    for j, ref in enumerate(r for r in (dw_ref, db_ref) if r is not None):
+    for j, ref in enumerate(partial_refs):
       plgpu.copy_smem_to_gmem(accs.at[j], ref.at[w, p])
   plgpu.wait_smem_to_gmem(0)
 
