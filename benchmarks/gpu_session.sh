@@ -24,7 +24,9 @@
 #                  call / steady time per phase, Triton's beside them (a stack dump if one hangs)
 #   trace          benchmarks/gpu_trace.py (kernel durations per call, compiled modules)
 #   tests          the op suites on the GPU (pytest-xdist), installed package, cut at the deadline
-#   mosaic-tests   the op suites' Default classes with JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu
+#   mosaic-tests   the op suites' Default classes with JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu, and
+#                  test_pallas.py's Mosaic GPU tests (on a GPU the real kernels: the in-place
+#                  forward's refill order, GroupNorm's whole segments, the deeper stages)
 #   wheels         pip install --target /tmp/site .whl/*.whl (Liger-Kernel, flaxdiff: carry .whl)
 #                  and /tmp/site on PYTHONPATH for the stages after it
 #   models         benchmarks/bench_models.py, both models, float32 and bfloat16, every variant
@@ -136,7 +138,7 @@ for stage in $stages; do
     mosaic-tests)
       pytest_run pytest_mosaic.log "$(cap 100 20)" \
         JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu PYTHONPATH=$(srcpath) -- -k "Default or mosaic" \
-        --junitxml="$OUT/junit_mosaic.xml" $OP_SUITES ;;
+        --junitxml="$OUT/junit_mosaic.xml" $OP_SUITES tests/test_pallas.py ;;
     wheels)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 && site=/tmp/site
