@@ -70,9 +70,15 @@ class ChannelChunks:
     lax.fori_loop(0, self.cg, channel, 0)
 
 
-def _stats_column(channels, piece):
-  """The column of a row's statistics: its group's (``ChannelChunks``), else 0."""
-  return 0 if channels is None else piece
+def _cta(launch, channels, param_refs, buf, barrier):
+  """``(w, p, start, end, piece, col, params)``: the CTA's rows (``launch.rows``), its piece,
+  the column of its rows' statistics (the group's with ``ChannelChunks``, else 0) and the
+  reader of its parameters (``params(k)``: chunk k's, one per ref)."""
+  w, p, start, end = launch.rows()
+  piece = launch.piece(w)
+  if channels is None:
+    return w, p, start, end, piece, 0, pipeline.params(launch, param_refs, buf, barrier, w)
+  return w, p, start, end, piece, piece, channels.params(param_refs, w)
 
 
 # ----------------------------------------------------------------------------
@@ -100,13 +106,7 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
        not given and seg.centered, not given, has_residual, True, has_residual, not in_place,
        has_residual, staged, True, staged)
   ys = xs if in_place else ys
-  w, _, start, end = launch.rows()
-  piece = launch.piece(w)
-  col = _stats_column(channels, piece)
-  if channels is None:
-    params = pipeline.params(launch, (w_ref, b_ref), ps, pbar, w)
-  else:
-    params = channels.params((w_ref, b_ref), w)
+  _, _, start, end, piece, col, params = _cta(launch, channels, (w_ref, b_ref), ps, pbar)
 
   def row(i, slot, out):
     load = pipeline.row_loader(xs, rs, slot)
@@ -227,13 +227,7 @@ def bwd_kernel(*refs, launch: pipeline.Launch, mask: tuple[bool, bool, bool], ha
    db_ref, xs, dys, dhs, dxs, gs, accs, bar, pbar) = common.unpack(
        refs, True, True, seg.centered, True, has_gamma, has_beta, given and seg.centered, given,
        has_dh, *mask, True, True, has_dh, mask[0], staged, n_acc > 0, True, staged)
-  w, p, start, end = launch.rows()
-  piece = launch.piece(w)
-  col = _stats_column(channels, piece)
-  if channels is None:
-    params = pipeline.params(launch, (gamma_ref, beta_ref), gs, pbar, w)
-  else:
-    params = channels.params((gamma_ref, beta_ref), w)
+  w, p, start, end, piece, col, params = _cta(launch, channels, (gamma_ref, beta_ref), gs, pbar)
   width = launch.plan.width
   zeros = jnp.zeros((width,), F32)
   if n_acc:
