@@ -146,7 +146,6 @@ def mosaic_gpu_interpret(interpret: bool):
   return _interpret_params_class()() if interpret else False
 
 
-
 # ----------------------------------------------------------------------------
 # Pallas Triton's list of GPUs (``jax_normgrad.pallas.gpu_target``).
 #

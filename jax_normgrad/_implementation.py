@@ -47,15 +47,12 @@ import numpy as np
 from jax.interpreters import mlir
 
 from jax_normgrad import _compat
-from jax_normgrad._fallback import FallbackWarning, warn_once  # noqa: F401  (re-exported)
+from jax_normgrad._fallback import FallbackWarning, warn_once  # noqa: F401  (FallbackWarning re-exported)
 # The Pallas GPU backend choice; GPU_BACKEND_ENV re-exported (benchmarks).
 from jax_normgrad.pallas.dispatch import GPU_BACKEND_ENV, GPU_BACKENDS, gpu_backend  # noqa: F401
 from jax_normgrad.pallas.dispatch import quiet_lowering
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-
-#: A ``FallbackWarning``, once per message (``_fallback``; also for the kernels' own fallbacks).
-_warn_once = warn_once
 
 
 def resolve(implementation: str | None, platform: str, op: str, available: dict[str, Callable | None]) -> str:
@@ -71,7 +68,7 @@ def resolve(implementation: str | None, platform: str, op: str, available: dict[
   if implementation is None:
     if available.get(default) is not None:
       return default
-    _warn_once(
+    warn_once(
         f"jax_normgrad: no {default!r} kernel for {op} on {platform}; using the pure-JAX "
         f"reference implementation ('xla') instead. Pass implementation='xla' to silence this.")
     return "xla"
@@ -206,7 +203,7 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
       implementation = forward_implementation(forward, implementation, platform)
       impl = resolve(implementation, platform, prim.name, available)
       if platform == "tpu" and implementation is None and _auto_partitioned(ctx):
-        _warn_once(
+        warn_once(
             f"jax_normgrad: {prim.name} is in a multi-device jit on TPU, where XLA would have to "
             f"partition the Pallas (Mosaic) kernel, which it cannot (and JAX's custom_partitioning "
             f"rules do not run on TPU); the pure-JAX reference ('xla') runs instead. Write the "

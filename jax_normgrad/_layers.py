@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_normgrad as jn
-from jax_normgrad import _implementation, _validation as v
+from jax_normgrad import _validation as v
+from jax_normgrad._fallback import warn_once
 from jax_normgrad._validation import SUPPORTED_DTYPES
 
 F32 = jnp.dtype(jnp.float32)
@@ -107,7 +108,7 @@ def unsupported_dtypes(**dtypes) -> str | None:
 
 def warn_fallback(layer: str, reason: str, original: str) -> None:
   """The library's one-time ``FallbackWarning`` for a drop-in running the original's code."""
-  _implementation._warn_once(
+  warn_once(
       f"{layer}: {reason} is not covered by the jax_normgrad kernels; running {original}'s own "
       "pure-JAX computation instead (the original's numbers, XLA's autodiff).")
 
@@ -323,7 +324,7 @@ def add_norm(layer, x, residual, weight, bias, *, begin: int, eps: float, center
     if centered:
       return jn.add_layer_norm(x, residual, weight, bias, **kw)
     return jn.add_rms_norm(x, residual, weight, **kw)
-  _implementation._warn_once(  # pylint: disable=protected-access
+  warn_once(
       f"{layer}: {reason} is not covered by the fused residual kernels; the residual add runs "
       "before the plain layer instead (an extra pass; y from the rounded sum).")
   h = (jnp.asarray(x).astype(F32) + jnp.asarray(residual).astype(F32)).astype(

@@ -72,7 +72,7 @@ def random_like(tree, seed=3):
 @contextlib.contextmanager
 def expect_fallback(expected: bool):
   """Asserts a FallbackWarning is (or is not) emitted in the block; resets the one-time memo."""
-  _implementation._warn_once.cache_clear()
+  _implementation.warn_once.cache_clear()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     yield

@@ -123,7 +123,7 @@ def test_tpu_sharded_jit_compiles_on_the_reference_with_a_warning():
   import jax_normgrad as jn
   from jax_normgrad import _implementation
 
-  _implementation._warn_once.cache_clear()  # pylint: disable=protected-access
+  _implementation.warn_once.cache_clear()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     hlo = _sharded_step(shard_map=False)

@@ -144,7 +144,7 @@ def test_fallback_on_platform_without_kernel_is_announced():
   # Every platform has its kernel today; the mechanism is what a platform
   # without one (or a build without the extension) goes through.
   from jax_normgrad import _implementation
-  _implementation._warn_once.cache_clear()
+  _implementation.warn_once.cache_clear()
   with pytest.warns(jn.FallbackWarning, match="no 'pallas' kernel for op on tpu"):
     assert _implementation.resolve(None, "tpu", "op", {"xla": len, "pallas": None}) == "xla"
   with pytest.warns(jn.FallbackWarning, match="no 'ffi' kernel for op on cpu"):

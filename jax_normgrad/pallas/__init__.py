@@ -12,7 +12,8 @@ The modules in layers, each importing only those below it:
   kernels, written once for every op over the segment view of ``common``;
   imported on first lowering only. ``mosaic_gpu`` routes to
   ``mosaic_gpu_rows``, ``mosaic_gpu_pieces`` and ``mosaic_gpu_group_norm``,
-  which stand on ``mosaic_gpu_pipeline`` (TMA, SMEM, fixed-order sums);
-* ``common``: the segment description and the per-tile math; ``config``:
-  the tile heuristics.
+  which stand on ``mosaic_gpu_pipeline`` (TMA, SMEM, barriers);
+* ``common``: the segment description, the per-tile math and the
+  fixed-order sums of the kernels' partials in XLA; ``config``: the tile
+  heuristics.
 """
