@@ -16,8 +16,9 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 
 from jax_normgrad import _ffi  # noqa: E402,F401  (registers the CPU FFI targets)
 from jax_normgrad._ffi import export_safety_checks  # noqa: E402
-from jax_normgrad._implementation import (  # noqa: E402
-    LAYER_FORWARD_DEFAULT, FallbackWarning, default_implementations)
+from jax_normgrad._dispatch import default_implementations, explain  # noqa: E402
+from jax_normgrad._fallback import FallbackWarning  # noqa: E402
+from jax_normgrad._settings import LAYER_FORWARD_DEFAULT, SettingsChangedError  # noqa: E402
 from jax_normgrad._malloc import keep_freed_memory  # noqa: E402
 from jax_normgrad._sharding import ShardingWarning  # noqa: E402
 from jax_normgrad._validation import IMPLEMENTATIONS, SUPPORTED_DTYPES
@@ -35,10 +36,12 @@ __all__ = [
     "IMPLEMENTATIONS",
     "LAYER_FORWARD_DEFAULT",
     "SUPPORTED_DTYPES",
+    "SettingsChangedError",
     "ShardingWarning",
     "add_layer_norm",
     "add_rms_norm",
     "default_implementations",
+    "explain",
     "export_safety_checks",
     "group_norm",
     "group_norm_backward",

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_normgrad as jn
-from jax_normgrad import _bench, _ffi, _implementation
+from jax_normgrad import _bench, _dispatch, _ffi, _settings
 
 
 #: The public functions each primitive serves (RMSNorm and the AscendC / InfiniOp
@@ -27,10 +27,14 @@ PRIMITIVE_OPS = {
 
 
 def _report_platform() -> dict:
-  platform = _implementation.default_platform()
-  impls = _implementation.default_implementations(platform)
+  platform = _dispatch.default_platform()
+  choices = _dispatch.default_choices(platform)
+  impls = {name: c.implementation for name, c in choices.items()}
   return {"platform": platform, "devices": [str(d) for d in jax.devices()],
           "implementations": impls,
+          "why": {name: c.why + "".join(f"; passed over {n}: {r}" for n, r in c.skipped)
+                  for name, c in choices.items()},
+          "settings": dict(_settings.current().variables()),
           "primitive_ops": {name: PRIMITIVE_OPS.get(name, "") for name in impls},
           "cpu_kernel_isa": _ffi.isa(), "versions": _bench.versions()}
 
@@ -218,9 +222,12 @@ def main(argv=None) -> int:
   say(f"jax_normgrad {jn.__version__} on {info['platform']} ({', '.join(info['devices'])}); "
       f"jax {info['versions']['jax']}")
   say(f"CPU kernels built for: {info['cpu_kernel_isa']}")
-  say("Implementation in use (implementation=None):")
+  say("Implementation in use (implementation=None), and why; jax_normgrad.explain(f, *args) "
+      "answers for a function of yours:")
   for name, impl in info["implementations"].items():
-    say(f"  {name:30s} {impl:6s} ({info['primitive_ops'][name]})")
+    say(f"  {name:30s} {impl:10s} {info['why'][name]}\n  {'':30s} {'':10s} serves "
+        f"{info['primitive_ops'][name]}")
+  say("Settings: " + ", ".join(f"{k}={v or '(unset)'}" for k, v in info["settings"].items()))
 
   checks = _checks()
   say("\nCorrectness against the pure-JAX reference:")

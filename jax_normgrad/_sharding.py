@@ -251,7 +251,7 @@ def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
     # custom_partitioning's rules are Python callbacks of XLA's partitioner, which
     # libtpu's compiler does not call (jax-ml/jax#38196: "Custom emitter for
     # CustomSPMDPartitioning not found"), and XLA cannot partition a Mosaic kernel
-    # either: on TPU the call is left to the lowering (_implementation: the
+    # either: on TPU the call is left to the lowering (_dispatch: the
     # reference, announced, in a multi-device jit; the kernel inside shard_map).
     return tuple(fn(*args))
 

@@ -20,7 +20,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jn
 F32 = jnp.dtype(jnp.float32)
 
 #: Implementation names accepted by every public function's ``implementation``.
-IMPLEMENTATIONS = (None, "xla", "ffi", "pallas", "triton", "mosaic_gpu")
+IMPLEMENTATIONS = (None, "xla", "ffi", "pallas", "triton", "mosaic_gpu", "mosaic_tpu")
 
 
 def _dtype_names(dtypes: Sequence[Any]) -> str:

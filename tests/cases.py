@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_normgrad import _implementation
+from jax_normgrad import _dispatch
 
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 MASKS = list(itertools.product([True, False], repeat=3))
@@ -142,7 +142,7 @@ def child_env(**extra) -> dict:
 
 #: The lowering platform the suite runs on ("cpu", "cuda", "rocm", "tpu"): the default
 #: implementation is the CPU custom call on "cpu" and the Pallas kernels elsewhere.
-PLATFORM = _implementation.default_platform()
+PLATFORM = _dispatch.default_platform()
 
 # The Pallas kernels' names (``pallas_call(name=...)``) by direction, whatever the op.
 _PALLAS_KERNELS = {"fwd": "jax_normgrad_norm_fwd", "bwd": "jax_normgrad_norm_bwd"}

@@ -158,3 +158,27 @@ def pytest_generate_tests(metafunc):
     if args <= set(metafunc.fixturenames) and not args & done:
       metafunc.parametrize(names, values)
       done |= args
+
+
+@pytest.fixture
+def settings_env():
+  """``set(name, value)``: one of jax_normgrad's environment settings for this test (None: unset).
+
+  They are read once per process, at the first trace (``jax_normgrad._settings``): each
+  change forgets the fixed settings and jax's compiled functions, and the end of the test
+  restores the variables the run started with and forgets again.
+  """
+  from jax_normgrad import _settings  # pylint: disable=g-import-not-at-top
+  saved = {name: os.environ.get(name) for name in _settings.CHOICES}
+
+  def set_(name, value):
+    assert name in saved, name
+    if value is None:
+      os.environ.pop(name, None)
+    else:
+      os.environ[name] = value
+    _settings.reset()
+
+  yield set_
+  for name, value in saved.items():
+    set_(name, value)

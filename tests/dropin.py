@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_normgrad as jn
-from jax_normgrad import _implementation
+from jax_normgrad import _fallback
 from cases import kernel_launches
 
 #: Relative tolerance (to the array's max |value|) of one result: a few roundings of its dtype
@@ -72,7 +72,7 @@ def random_like(tree, seed=3):
 @contextlib.contextmanager
 def expect_fallback(expected: bool):
   """Asserts a FallbackWarning is (or is not) emitted in the block; resets the one-time memo."""
-  _implementation.warn_once.cache_clear()
+  _fallback.warn_once.cache_clear()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     yield

@@ -121,9 +121,9 @@ def test_tpu_sharded_jit_compiles_on_the_reference_with_a_warning():
   custom_partitioning rules do not run there (jax-ml/jax#38196, the same error on real TPUs,
   so not an artifact of compiling without one): the reference runs, announced."""
   import jax_normgrad as jn
-  from jax_normgrad import _implementation
+  from jax_normgrad import _fallback
 
-  _implementation.warn_once.cache_clear()
+  _fallback.warn_once.cache_clear()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     hlo = _sharded_step(shard_map=False)

@@ -288,8 +288,7 @@ class PallasAddNormTests(AddNormTests):
     if request.node.originalname in self.slow:
       pytest.skip(f"left to the other interpreted kernel set ({self.backend} runs the rest)")
     jax.clear_caches()
-    with config.override(interpret_backend=self.backend):
-      yield
+    yield
     jax.clear_caches()
 
   def _narrow(self, case, centered):
@@ -315,10 +314,10 @@ class PallasAddNormTests(AddNormTests):
         monkeypatch.setattr(module, name, spy)
     x, r, w, b = _inputs(rng, (3, 300), (300,), "wb", BF16, F32)
     dy, dh = random(rng, x.shape, BF16), random(rng, x.shape, F32)
-    with config.override(interpret_backend=self.backend, gpu_max_tile_bwd=256,
-                         gpu_max_tile_fwd=256, tpu_block_elems=2048):
+    with config.override(gpu_max_tile_bwd=256, gpu_max_tile_fwd=256, tpu_block_elems=2048):
       (y, h), vjp = self._run(lambda: jax.vjp(
-          lambda *a: jn.add_layer_norm(*a, residual_dtype=F32, implementation="pallas"),
+          lambda *a: jn.add_layer_norm(*a, residual_dtype=F32,
+                                       implementation=self.implementation),
           x, r, w, b))
       gx, gr, gw, gb = self._run(lambda: vjp((dy, dh)))
     assert ("_bwd_kernel", True) in seen and all(flag for _, flag in seen), seen
@@ -349,8 +348,7 @@ class TestAddNormPallas(PallasAddNormTests):
     for tile in (512, 128):
       for early in (False, True):
         jax.clear_caches()
-        with config.override(interpret_backend="gpu", gpu_bwd_early_dh=early,
-                             gpu_max_tile_bwd=tile):
+        with config.override(gpu_bwd_early_dh=early, gpu_max_tile_bwd=tile):
           _, vjp = jax.vjp(lambda *a: jn.add_layer_norm(*a, implementation="pallas"), x, r, w, b)
           grads[tile, early] = [np.asarray(g.astype(F32)) for g in vjp((dy, dh))]
       for got, want in zip(grads[tile, True], grads[tile, False]):
@@ -358,7 +356,7 @@ class TestAddNormPallas(PallasAddNormTests):
 
 
 class TestAddNormPallasTpu(PallasAddNormTests):
-  backend, half = "tpu", 1
+  implementation, backend, half = "mosaic_tpu", "tpu", 1
 
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -672,8 +670,8 @@ class TestAddNormMosaicGpu(AddNormTests):
 @needs_mosaic_gpu
 def test_pallas_mosaic_gpu_fuses_the_residual_unannounced(rng):
   """The Mosaic GPU kernels fuse the residual: no FallbackWarning, the reference's numbers."""
-  from jax_normgrad import _implementation
-  _implementation.warn_once.cache_clear()
+  from jax_normgrad import _fallback
+  _fallback.warn_once.cache_clear()
   x, r, w, b = _inputs(rng, (8, 128), (128,), "wb", BF16, None)
   dy, dh = random(rng, x.shape, BF16), random(rng, x.shape, BF16)
 
@@ -720,11 +718,11 @@ def test_mosaic_gpu_export_lowers_to_the_fused_kernels(centered, dtype, res_dtyp
 
 
 @needs_mosaic_gpu
-def test_mosaic_gpu_residual_rows_that_do_not_fit(rng, monkeypatch):
+def test_mosaic_gpu_residual_rows_that_do_not_fit(rng, settings_env):
   """An SMEM budget that holds a plain row's pieces but not the residual form's (3000 bytes,
   float32): forced, Mosaic GPU raises naming the residual rows; chosen by the environment
   variable, Triton runs it, announced."""
-  from jax_normgrad import _implementation
+  from jax_normgrad import _fallback
   from jax_normgrad.pallas import mosaic_gpu
   x, r = random(rng, (4, 1000), F32), random(rng, (4, 1000), F32)
   seg = common.Segments("rows", 4, 1, 1000, groups=1, param_groups=1)
@@ -733,8 +731,8 @@ def test_mosaic_gpu_residual_rows_that_do_not_fit(rng, monkeypatch):
     assert "residual form" in mosaic_gpu.unsupported(seg, 4, backward=False, extra_bytes=8)
     with pytest.raises(ValueError, match="implementation='mosaic_gpu' cannot run"):
       jax.jit(lambda x, r: jn.add_layer_norm(x, r, implementation="mosaic_gpu")).lower(x, r)
-    monkeypatch.setenv("JAX_NORMGRAD_GPU_BACKEND", "mosaic_gpu")
-    _implementation.warn_once.cache_clear()
+    settings_env("JAX_NORMGRAD_GPU_BACKEND", "mosaic_gpu")
+    _fallback.warn_once.cache_clear()
     with pytest.warns(jn.FallbackWarning, match="Triton kernels run it instead"):
       text = export_for("cuda", jax.jit(lambda x, r: jn.add_layer_norm(x, r)),
                         (x, r), disabled_checks=[

@@ -40,7 +40,7 @@ def test_default_implementations_is_what_the_cli_reports():
   assert impls == cli._report_platform()["implementations"]
   assert jn.default_implementations(cases.PLATFORM) == impls
   assert set(jn.default_implementations("cpu").values()) == {"ffi"}
-  assert set(jn.default_implementations("tpu").values()) == {"pallas"}
+  assert set(jn.default_implementations("tpu").values()) == {"mosaic_tpu"}
   with pytest.raises(ValueError, match="platform"):
     jn.default_implementations("gpu")  # jax.default_backend()'s word, not a lowering platform
 

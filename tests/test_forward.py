@@ -10,6 +10,8 @@ runs are in tests/test_sharding.py.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,7 @@ import pytest
 import jax_normgrad as jn
 import reference_np as ref
 from cases import PLATFORM, kernel_launches, random
-from jax_normgrad import _implementation
+from jax_normgrad import _settings
 from tolerances import assert_close
 
 FORWARDS = [None, "kernel", "xla"]
@@ -28,7 +30,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 def _kernel_forward(forward) -> bool:
   """Whether ``forward`` lowers to the forward kernel here (None: the platform's default)."""
   return forward == "kernel" or (forward is None and
-                                 _implementation.layer_forward_default(PLATFORM) == "kernel")
+                                 _settings.current().layer_forward(PLATFORM) == "kernel")
 
 
 def _grads(f, args, ct):
@@ -199,30 +201,49 @@ def test_export_round_trip_keeps_the_choice(rng):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
-def test_default_per_platform_and_its_environment_override(rng, monkeypatch):
+def test_default_per_platform_and_its_environment_override(rng, settings_env):
   x = random(rng, (8, 128), F32)
   text = lambda: jax.jit(jax.grad(lambda x: jnp.sum(jn.layer_norm(x) ** 2))).lower(x).as_text()
-  default = _implementation.LAYER_FORWARD_DEFAULT[PLATFORM]
+  default = _settings.LAYER_FORWARD_DEFAULT[PLATFORM]
   assert default in ("kernel", "xla")
   assert (kernel_launches(text(), "jax_normgrad_layer_norm_fwd") >= 1) == (default == "kernel")
   for choice in ("kernel", "xla"):
-    monkeypatch.setenv(_implementation.FORWARD_ENV, choice)
+    settings_env(_settings.FORWARD_ENV, choice)
     assert (kernel_launches(text(), "jax_normgrad_layer_norm_fwd") >= 1) == (choice == "kernel")
     assert kernel_launches(text(), "jax_normgrad_layer_norm_bwd") >= 1
-  monkeypatch.setenv(_implementation.FORWARD_ENV, "fused")
+  settings_env(_settings.FORWARD_ENV, "fused")
   with pytest.raises(ValueError, match="JAX_NORMGRAD_FORWARD.*'fused'"):
     text()
   # A forward named in the call wins over the environment; so does implementation="xla".
-  monkeypatch.setenv(_implementation.FORWARD_ENV, "xla")
+  settings_env(_settings.FORWARD_ENV, "xla")
   t = jax.jit(jax.grad(lambda x: jnp.sum(jn.layer_norm(x, forward="kernel") ** 2))).lower(x).as_text()
   assert kernel_launches(t, "jax_normgrad_layer_norm_fwd") >= 1
-  assert dict(jn.LAYER_FORWARD_DEFAULT) == dict(_implementation.LAYER_FORWARD_DEFAULT)
+  assert dict(jn.LAYER_FORWARD_DEFAULT) == dict(_settings.LAYER_FORWARD_DEFAULT)
   with pytest.raises(TypeError):
     jn.LAYER_FORWARD_DEFAULT["cpu"] = "xla"  # read-only: the environment variable sets it
 
 
-def test_the_public_forward_ops_run_the_kernel_whatever_the_layers_default(rng, monkeypatch):
-  monkeypatch.setenv(_implementation.FORWARD_ENV, "xla")
+def test_the_environment_changed_after_a_first_trace_is_refused(rng, settings_env):
+  """A function traced before the change keeps its forward; a new trace raises instead of
+  taking the new value (which would give one program two answers)."""
+  x = random(rng, (8, 128), F32)
+  settings_env(_settings.FORWARD_ENV, None)
+  step = jax.jit(jax.grad(lambda x: jnp.sum(jn.layer_norm(x) ** 2)))
+  before = step(x)
+  # Set without forgetting: as a user's os.environ change after the first trace.
+  os.environ[_settings.FORWARD_ENV] = "xla" if _kernel_forward(None) else "kernel"
+  np.testing.assert_array_equal(step(x), before)  # traced already: jit's cache, unchanged
+  for trace in (lambda: jax.jit(jax.grad(lambda x: jnp.sum(jn.layer_norm(x) ** 2)))(x),
+                lambda: jn.layer_norm(x), lambda: jax.make_jaxpr(jn.rms_norm)(x)):
+    with pytest.raises(jn.SettingsChangedError, match="JAX_NORMGRAD_FORWARD from None to"):
+      trace()
+  del os.environ[_settings.FORWARD_ENV]
+  np.testing.assert_array_equal(jax.jit(jax.grad(lambda x: jnp.sum(jn.layer_norm(x) ** 2)))(x),
+                                before)
+
+
+def test_the_public_forward_ops_run_the_kernel_whatever_the_layers_default(rng, settings_env):
+  settings_env(_settings.FORWARD_ENV, "xla")
   x = random(rng, (8, 128), F32)
   text = jax.jit(lambda x: jn.layer_norm_fwd(x, 128)).lower(x).as_text()
   assert kernel_launches(text, "jax_normgrad_layer_norm_fwd") >= 1

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_normgrad as jn
-from jax_normgrad import _compat, _implementation
+from jax_normgrad import _compat, _fallback, _settings
 from jax_normgrad.pallas import gpu_target
 from cases import TRITON_LOWERING_NEEDS_GPU_KIND, export_for, needs_mosaic_gpu
 
@@ -64,19 +64,19 @@ class _Jax011:
 
 
 @pytest.fixture
-def jax011(monkeypatch):
+def jax011(monkeypatch, settings_env):
   """This jax refusing unlisted GPUs as jax 0.11 does; ``.can_register`` as in 0.11.0-0.11.2."""
   fake = _Jax011(can_register=True)
   monkeypatch.setattr(_compat, "triton_gpu_info", lambda: fake.get_gpu_info)
   monkeypatch.setattr(_compat, "register_triton_gpu", fake.register)
-  monkeypatch.delenv("JAX_NORMGRAD_GPU_BACKEND", raising=False)
   # jax caches lowerings by program and abstract mesh; the fakes change what
-  # a lowering of the same program does.
-  jax.clear_caches()
-  _implementation.warn_once.cache_clear()
+  # a lowering of the same program does (the settings' reset clears jax's caches).
+  settings_env(_settings.GPU_BACKEND_ENV, None)
+  _fallback.warn_once.cache_clear()
+  fake.settings_env = settings_env
   yield fake
   jax.clear_caches()
-  _implementation.warn_once.cache_clear()
+  _fallback.warn_once.cache_clear()
 
 
 def _attached(monkeypatch, compute_capability, kind=UNLISTED):
@@ -144,7 +144,7 @@ def test_unlisted_abstract_gpu_runs_the_reference(jax011, program):
   # runs, and the warning names the device and why.
   f, args = PROGRAMS[program]
   text = _export(f, args, UNLISTED, expect_warning=re.escape(repr(UNLISTED)) + ".*no compute "
-                 "capability to register.*pure-JAX reference \\('xla'\\) runs instead")
+                 "capability to register.*pure-JAX reference \\('xla'\\) runs it instead")
   _assert_reference(text)
   assert not jax011.registry
 
@@ -155,7 +155,7 @@ def test_the_warning_comes_once_per_op(jax011):
     for _ in range(2):
       jax.clear_caches()  # lowered twice, not taken from jax's cache
       export_for("cuda", jax.jit(f), args, device_kind=UNLISTED)
-  ops = [re.search(r"jax_normgrad: (\w+):", str(w.message)).group(1) for w in record]
+  ops = [re.search(r"jax_normgrad: (\w+) on cuda:", str(w.message)).group(1) for w in record]
   assert sorted(ops) == ["jax_normgrad_layer_norm_bwd", "jax_normgrad_layer_norm_fwd"]
 
 
@@ -163,7 +163,7 @@ def test_forced_backends_on_an_unlisted_gpu(jax011):
   # implementation="triton" cannot run there: it raises, naming the device;
   # "xla" is silent (no warning).
   ln = lambda x, w, b, impl: jn.layer_norm(x, w, b, implementation=impl)
-  with pytest.raises(ValueError, match="implementation='triton' cannot run here.*" + UNLISTED):
+  with pytest.raises(ValueError, match="implementation='triton' cannot run on cuda.*" + UNLISTED):
     _export(lambda x, w, b: ln(x, w, b, "triton"), LN_ARGS, UNLISTED)
   _assert_reference(_export(lambda x, w, b: ln(x, w, b, "xla"), LN_ARGS, UNLISTED))
 
@@ -189,8 +189,9 @@ def test_attached_gpu_that_cannot_be_registered_runs_the_reference(jax011, monke
   _attached(monkeypatch, "8.9")
   f, args = PROGRAMS["group_norm"]
   _assert_reference(_export(f, args, expect_warning="no way to register its compute capability"
-                            ".*Mosaic GPU kernels need sm_90\\+ \\(the device is sm_89\\)"))
-  with pytest.raises(ValueError, match="implementation='triton' cannot run here"):
+                            ".*Mosaic GPU kernels cannot run it: they need sm_90\\+ \\(the device is "
+                            "sm_89\\)"))
+  with pytest.raises(ValueError, match="implementation='triton' cannot run on cuda"):
     _export(lambda x, w, b: jn.layer_norm(x, w, b, implementation="triton"), LN_ARGS)
 
 
@@ -201,21 +202,20 @@ def test_attached_sm90_gpu_that_cannot_be_registered_runs_mosaic_gpu(jax011, mon
   jax011.can_register = False
   _attached(monkeypatch, "9.0", kind="NVIDIA H20")
   f, args = PROGRAMS["layer_norm"]
-  text = _export(f, args, expect_warning="'NVIDIA H20'.*Mosaic GPU kernels run instead")
+  text = _export(f, args, expect_warning="'NVIDIA H20'.*Mosaic GPU kernels run it instead")
   assert MOSAIC_GPU in text and TRITON not in text
   c = 70_000
   gn = _grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1))
   text = _export(gn, (_sds((2, 2, 2, c)), _sds((c,)), _sds((c,))),
                  expect_warning="'NVIDIA H20'",
-                 expect_one="Mosaic GPU kernels cannot run this problem .*the C of GroupNorm.*"
-                            "'NVIDIA H20'.*the pure-JAX reference \\('xla'\\) runs it instead")
+                 expect_one="'NVIDIA H20'.*Mosaic GPU kernels cannot run it: .*the C of "
+                            "GroupNorm.*pure-JAX reference \\('xla'\\) runs it instead")
   _assert_reference(text)
   # JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu takes the same path: no Triton either.
-  monkeypatch.setenv("JAX_NORMGRAD_GPU_BACKEND", "mosaic_gpu")
-  jax.clear_caches()
-  _implementation.warn_once.cache_clear()
+  jax011.settings_env(_settings.GPU_BACKEND_ENV, "mosaic_gpu")
+  _fallback.warn_once.cache_clear()
   _assert_reference(_export(gn, (_sds((2, 2, 2, c)), _sds((c,)), _sds((c,))),
-                            expect_warning="'NVIDIA H20'", expect_one="cannot run this problem"))
+                            expect_warning="'NVIDIA H20'", expect_one="the C of GroupNorm"))
 
 
 def test_no_gpu_attached_runs_the_reference(jax011):

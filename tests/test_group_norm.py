@@ -265,7 +265,7 @@ class TestGroupNormMosaicGpu(GroupNormOpTests):
   large_group = (1, 40, 3, 1)
   deterministic_shape = (2, 8, 12, 2)
 
-  # The float32 y of a 16-bit x is a conversion before the kernels (dispatch.forward),
+  # The float32 y of a 16-bit x is a conversion before the kernels (kernels.forward),
   # tested on the Mosaic GPU kernels by TestLayerNormMosaicGpu.
   test_layer_float32_result_of_half_x = None
 

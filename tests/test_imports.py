@@ -128,17 +128,18 @@ def test_no_import_circle_in_the_package():
 
 
 def test_pallas_layers():
-  """The layers of ``pallas/`` (its ``__init__`` docstring): the kernels stand on ``common``,
-  ``dispatch`` on the kernels, and the lowerings and ``_implementation`` on ``dispatch``."""
+  """The layers of ``pallas/`` (its ``__init__`` docstring): the kernel modules stand on
+  ``common``, ``kernels`` (the entry) on them, and the lowerings and the dispatcher
+  (``jax_normgrad._dispatch``) on the entry."""
   graph = import_graph()
   p = "jax_normgrad.pallas."
-  kernels = {p + "gpu", p + "tpu", p + "mosaic_gpu"}
-  assert not graph[p + "common"] & (kernels | {p + "dispatch", "jax_normgrad._implementation"})
-  for k in kernels:
-    assert p + "common" in graph[k] and p + "dispatch" not in graph[k], k
-  assert kernels <= graph[p + "dispatch"]
-  assert p + "dispatch" in graph["jax_normgrad._implementation"]
-  assert p + "dispatch" in graph[p + "layer_norm"] and p + "dispatch" in graph[p + "group_norm"]
+  modules = {p + "gpu", p + "tpu", p + "mosaic_gpu"}
+  assert not graph[p + "common"] & (modules | {p + "kernels", "jax_normgrad._dispatch"})
+  for k in modules:
+    assert p + "common" in graph[k] and p + "kernels" not in graph[k], k
+  assert modules <= graph[p + "kernels"]
+  assert p + "kernels" in graph["jax_normgrad._dispatch"]
+  assert p + "kernels" in graph[p + "layer_norm"] and p + "kernels" in graph[p + "group_norm"]
 
 
 def test_mosaic_gpu_layers():
@@ -154,7 +155,7 @@ def test_mosaic_gpu_layers():
   assert not graph[rows] & (kernels | {p}) and not graph[gn] & ({pieces, p})
   for k in kernels:
     assert pipeline in graph[k] and p not in graph[k], k
-  assert not graph[pipeline] & (kernels | {p, "jax_normgrad.pallas.dispatch"})
+  assert not graph[pipeline] & (kernels | {p, "jax_normgrad.pallas.kernels"})
   assert "jax_normgrad.pallas.common" in graph[pipeline]
 
 

@@ -140,21 +140,6 @@ def test_registered_targets():
   assert set(_ffi.TARGETS) == set(_ffi._ext.registrations())
 
 
-def test_fallback_on_platform_without_kernel_is_announced():
-  # Every platform has its kernel today; the mechanism is what a platform
-  # without one (or a build without the extension) goes through.
-  from jax_normgrad import _implementation
-  _implementation.warn_once.cache_clear()
-  with pytest.warns(jn.FallbackWarning, match="no 'pallas' kernel for op on tpu"):
-    assert _implementation.resolve(None, "tpu", "op", {"xla": len, "pallas": None}) == "xla"
-  with pytest.warns(jn.FallbackWarning, match="no 'ffi' kernel for op on cpu"):
-    assert _implementation.resolve(None, "cpu", "op", {"xla": len, "ffi": None}) == "xla"
-  # Asked for explicitly, the reference is no fallback and says nothing.
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    assert _implementation.resolve("xla", "tpu", "op", {"xla": len, "pallas": None}) == "xla"
-
-
 def test_ffi_on_other_platform_raises():
   f = jax.jit(_ln_loss("ffi"))
   with pytest.raises(ValueError, match="implementation='ffi'"):

@@ -377,7 +377,7 @@ class TestLayerNormMosaicGpu(LayerNormOpTests):
 
   @pytest.fixture(autouse=True)
   def _narrow(self, request):
-    # The float32 y of a 16-bit x is a conversion before the kernels (dispatch.forward):
+    # The float32 y of a 16-bit x is a conversion before the kernels (kernels.forward):
     # once, centered, is enough for the interpreted kernels.
     cases.narrow(request, "interpreted Mosaic GPU: the float32 result once, centered",
                  centered=[True])

@@ -156,15 +156,16 @@ def test_rms_norm_primitives_lower_to_pallas(platform, y_dtype):
 
 @contextlib.contextmanager
 def _kernels(backend, tiny):
-  """Interprets the ``backend`` ("gpu" / "tpu") kernels, with tiny tiles if asked."""
-  tuning = dict(interpret_backend=backend)
+  """The implementation interpreting the ``backend`` ("gpu" / "tpu") kernels, with tiny tiles
+  if asked."""
+  tuning = {}
   if tiny:
     tuning.update(gpu_max_tile_bwd=256, gpu_max_tile_fwd=256, tpu_block_elems=2048,
                   gpu_nhwc_max_tile_fwd=128, gpu_nhwc_max_tile_bwd=64)
   # The tuning is read when a function is lowered: the tests lower fresh
   # jax.jit(lambda ...) functions inside, so no compiled function is reused.
   with config.override(**tuning):
-    yield
+    yield "mosaic_tpu" if backend == "tpu" else "pallas"
 
 
 def _f32(*arrays):
@@ -192,14 +193,14 @@ def test_layer_norm_primitives_interpreted(rng, dtype, mask, has_weight, backend
   weight = random(rng, (w, h), F32, offset=1.0) if has_weight else None
   bias = random(rng, (w, h), F32)
   kw = dict(centered=centered, param_groups=w)
-  with _kernels(backend, tiny):
+  with _kernels(backend, tiny) as impl:
     y, *stats = jax.jit(lambda x, *p: layer_norm_fwd_p.bind(
         x, *p, eps=1e-5, has_weight=has_weight, has_bias=True, write_xhat=False, y_dtype=None,
-        implementation="pallas", **kw))(
+        implementation=impl, **kw))(
             x, *present(weight, bias))
     outs = jax.jit(lambda dy, x, *r: layer_norm_bwd_p.bind(
         dy, x, *r, has_weight=has_weight, output_mask=mask, normalized=False, write_xhat=False,
-        implementation="pallas", **kw))(
+        implementation=impl, **kw))(
             dy, x, *stats, *present(weight))
   # The float32 reference before the final rounding: only that rounding may differ.
   y_ref, *stats_ref = reference.layer_norm_fwd(*_f32(x, weight, bias), eps=1e-5, **kw)
@@ -247,14 +248,14 @@ def test_group_norm_primitives_interpreted(rng, dtype, mask, n, c, hw, group, ch
   dy = random(rng, shape, dtype)
   gamma, beta = random(rng, (w, c), F32, offset=1.0), random(rng, (w, c), F32)
   kw = dict(group=group, channels_last=channels_last, param_groups=w)
-  with _kernels(backend, tiny):
+  with _kernels(backend, tiny) as impl:
     y, mean, rstd = jax.jit(lambda x, g, b: group_norm_fwd_p.bind(
         x, g, b, eps=1e-5, has_weight=True, has_bias=True, y_dtype=None, activation=None,
-        implementation="pallas", **kw))(
+        implementation=impl, **kw))(
             x, gamma, beta)
     outs = jax.jit(lambda *a: group_norm_bwd_p.bind(
         *a, has_gamma=True, has_beta=False, activation=None, output_mask=mask,
-        implementation="pallas", **kw))(
+        implementation=impl, **kw))(
             dy, x, mean, rstd, gamma)
   block = c // group * hw
   y_ref, mean_ref, rstd_ref = reference.group_norm_fwd(*_f32(x, gamma, beta), eps=1e-5, **kw)
@@ -330,10 +331,10 @@ def test_deterministic_across_programs(rng, backend):
   # Uneven rows per program and tiny tiles; four runs, bitwise equal.
   x, dy = random(rng, (301, 300), F32), random(rng, (301, 300), F32)
   stats = reference.layer_norm_fwd(x, eps=1e-5, centered=True, param_groups=1)[1:]
-  with _kernels(backend, tiny=True):
+  with _kernels(backend, tiny=True) as impl:
     f = jax.jit(lambda *a: layer_norm_bwd_p.bind(
         *a, centered=True, has_weight=False, output_mask=(True, True, True), param_groups=1,
-        normalized=False, write_xhat=False, implementation="pallas"))
+        normalized=False, write_xhat=False, implementation=impl))
     first = [np.asarray(o) for o in f(dy, x, *stats)]
     for _ in range(3):
       for a, b in zip(first, f(dy, x, *stats)):
@@ -556,17 +557,17 @@ def test_mosaic_gpu_group_norm_whole_segments_need_two_stages():
 
 
 @needs_mosaic_gpu
-def test_gpu_backend_environment_variable(monkeypatch):
+def test_gpu_backend_environment_variable(settings_env):
   args = (_sds((64, 1024), F32), _sds((1024,), F32), _sds((1024,), F32))
-  monkeypatch.delenv("JAX_NORMGRAD_GPU_BACKEND", raising=False)
+  settings_env("JAX_NORMGRAD_GPU_BACKEND", None)
   assert TRITON in _export_cuda(_grad_of(jn.layer_norm), args)  # the default
-  monkeypatch.setenv("JAX_NORMGRAD_GPU_BACKEND", "mosaic_gpu")
+  settings_env("JAX_NORMGRAD_GPU_BACKEND", "mosaic_gpu")
   _assert_mosaic_gpu(_export_cuda(_grad_of(jn.layer_norm), args))
   assert TRITON in _export_cuda(
       _grad_of(lambda x, w, b: jn.layer_norm(x, w, b, implementation="triton")), args)
   # What Mosaic GPU cannot run (channels-last rows of 70,000 channels) Triton runs, announced.
-  from jax_normgrad import _implementation
-  _implementation.warn_once.cache_clear()
+  from jax_normgrad import _fallback
+  _fallback.warn_once.cache_clear()
   gn = _grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1))
   c = 70_000
   with pytest.warns(jn.FallbackWarning, match="Triton kernels run it instead"):
@@ -574,7 +575,7 @@ def test_gpu_backend_environment_variable(monkeypatch):
         "cuda", jax.jit(gn), (_sds((2, 2, 2, c), F32), _sds((c,), F32), _sds((c,), F32)),
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]).mlir_module()
   assert TRITON in text and MOSAIC_GPU not in text
-  monkeypatch.setenv("JAX_NORMGRAD_GPU_BACKEND", "cuda")
+  settings_env("JAX_NORMGRAD_GPU_BACKEND", "cuda")
   with pytest.raises(ValueError, match="JAX_NORMGRAD_GPU_BACKEND"):
     _export_cuda(_grad_of(jn.layer_norm), args)
 

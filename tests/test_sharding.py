@@ -263,21 +263,14 @@ def test_vmap_and_jvp_under_a_mesh():
 
 
 #: The implementations the shard_map tests run: the CPU kernels, and the Pallas
-#: kernels of GPU ("pallas") and TPU ("pallas-tpu"), interpreted.
-IMPLEMENTATIONS = ["ffi", "pallas", "pallas-tpu"]
+#: kernels of GPU ("pallas": Triton's) and TPU ("mosaic_tpu"), interpreted.
+IMPLEMENTATIONS = ["ffi", "pallas", "mosaic_tpu"]
 
 
 @contextlib.contextmanager
 def _implementation(name):
-  """``(implementation, context)`` for one of IMPLEMENTATIONS: the TPU kernels are chosen
-  by the interpreter's backend setting (recompiled: jit caches the lowering)."""
-  if name != "pallas-tpu":
-    yield name
-    return
-  jax.clear_caches()
-  with config.override(interpret_backend="tpu"):
-    yield "pallas"
-  jax.clear_caches()
+  """The implementation of one of IMPLEMENTATIONS (a context, for the tests' ``with``)."""
+  yield name
 
 
 @eight

@@ -47,7 +47,7 @@ def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation, y
          activation=None, forward="kernel"):
   """Canonical forward: y with x's shape in ``y_dtype`` (None: x's), float32 (N, G) mean and rstd.
 
-  ``forward``: what lowers it (see ``_implementation.forward_implementation``).
+  ``forward``: what lowers it (see ``_dispatch.choose``).
   """
   y, mean, rstd = _sharding.bind(
       group_norm_fwd_p, x.reshape(_canonical_shape(n, c, hw, channels_last)),

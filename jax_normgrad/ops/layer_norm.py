@@ -58,7 +58,7 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   dims are merged into rows on each device (see ``_sharding.bind``), so a
   sharded batch or sequence dim stays sharded. ``forward``: what lowers it,
   "kernel" (``implementation``), "xla" or "auto" (a layer's default, see
-  ``_implementation.forward_implementation``).
+  ``_dispatch.choose``).
   """
   lead = x.ndim - norm_ndim
   _, h = _rows_and_width(x, norm_ndim)

@@ -1,13 +1,13 @@
-"""Pallas kernels of the primitives: Triton on CUDA/ROCm, Mosaic on TPU, interpreted on CPU.
+"""Pallas kernels of the primitives: Triton and Mosaic GPU on GPUs, Mosaic on TPU, interpreted on CPU.
 
 The modules in layers, each importing only those below it:
 
 * ``layer_norm``, ``group_norm``: the lowering functions registered with the
-  primitives (``pallas=``);
-* ``dispatch``: which kernels run a problem (the GPU backend a lowering
-  gets, chosen at lowering time: ``_implementation`` imports the choice from
-  here) and the forward and backward that hand it to them;
-  ``gpu_target``: whether Pallas Triton lowers for the targeted GPU;
+  primitives, and the problem each hands the kernels (which
+  ``jax_normgrad._dispatch`` reads to choose a backend);
+* ``kernels``: the forward and backward that hand a problem to the kernels
+  of the chosen backend; ``gpu_target``: the GPU a lowering targets, and
+  whether Pallas Triton and Mosaic GPU run on it;
 * ``gpu`` (Triton), ``mosaic_gpu`` (Mosaic GPU, sm_90+) and ``tpu``: the
   kernels, written once for every op over the segment view of ``common``;
   imported on first lowering only. ``mosaic_gpu`` routes to

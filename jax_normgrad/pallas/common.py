@@ -6,7 +6,7 @@ each normalized on its own, and the parameters are indexed by the channel
 axis (``a`` or ``b``). See :class:`Segments`.
 
 The bottom of ``pallas/``: the kernel modules (``gpu``, ``mosaic_gpu`` and
-its ``mosaic_gpu_*``, ``tpu``) stand on it, and ``dispatch`` on them; it
+its ``mosaic_gpu_*``, ``tpu``) stand on it, and ``kernels`` on them; it
 imports none of them.
 """
 

@@ -161,8 +161,6 @@ class Tuning:
   #: TensorCores sharing a TPU chip's grid ("parallel" axis): 2 on megacore
   #: chips (v4, v5p); on single-core chips the two halves just run in turn.
   tpu_cores: int = 2
-  #: Which kernels ``interpret=True`` (CPU) runs: "gpu" or "tpu".
-  interpret_backend: str = "gpu"
   #: Mosaic GPU: SMEM one CTA may use (bytes). H100 allows 227 KiB per block;
   #: Pallas reserves some for its cross-warp reductions and barriers.
   mosaic_gpu_smem_bytes: int = 200 * 1024

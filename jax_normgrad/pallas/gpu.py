@@ -7,7 +7,7 @@ JAX deprecates it from 0.11 in favour of Mosaic GPU, which needs Hopper or
 newer and does not run on ROCm: ``mosaic_gpu.py`` holds the Mosaic GPU
 kernels (LayerNorm, RMSNorm and GroupNorm), chosen with
 ``implementation="mosaic_gpu"`` or ``JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu``
-(``_implementation``); they passed their suite on an H100 and become the
+(``jax_normgrad._dispatch``); they passed their suite on an H100 and become the
 default on sm_90+ once timed there at least as fast as these. Every
 ``pallas_call`` here passes ``pltriton.CompilerParams``, so the backend does
 not depend on the ``jax_pallas_use_mosaic_gpu`` default.
@@ -33,10 +33,10 @@ from jax_normgrad.pallas import common, config
 
 F32 = jnp.float32
 #: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh``
-#: (``dispatch._residual_kernels``).
+#: (``kernels.forward``, ``kernels.backward``).
 FUSES_RESIDUAL = True
 #: The backward reads dy and x each in its own dtype and can write dx twice
-#: (x's dtype and dy's: ``dx_dy``); see ``dispatch.backward``.
+#: (x's dtype and dy's: ``dx_dy``); see ``kernels.backward``.
 MIXED_DTYPES = True
 
 
@@ -218,7 +218,7 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
 def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None,
             y_dtype=None):
   """``(y, mean | None, rstd)``, or with a residual ``(x, residual, weight, bias)`` and
-  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``dispatch.forward``. y in
+  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``kernels.forward``. y in
   ``y_dtype`` (None: x's; a 16-bit one with a float32 x)."""
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
@@ -427,7 +427,7 @@ def _sum_partials(partials, *, interpret: bool):
 
 def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
              interpret: bool, dx_dy: bool = False):
-  """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``dispatch.backward``."""
+  """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``kernels.backward``."""
   nhwc = _nhwc_plan(seg, max(x.dtype.itemsize, dy.dtype.itemsize), backward=True)
   if nhwc is not None and dh is None and not dx_dy:
     return _nhwc_backward(dy, x, mean, rstd, gamma, beta, seg=seg, plan=nhwc, mask=mask,

@@ -8,9 +8,10 @@ question its Triton lowering will ask; where the answer is no and the device's
 compute capability is known, it registers that with Pallas Triton (what jax
 0.10 did unasked: Triton compiled for the device's own capability). Where it
 is not known (an abstract device of an unlisted kind, no GPU attached) or this
-jax offers no way to register, the lowering falls back
-(``dispatch.gpu_backend``): to the Mosaic GPU kernels on sm_90+, else
-to the pure-JAX reference, with a ``FallbackWarning`` naming the device.
+jax offers no way to register, the Triton kernels cannot run, and
+``jax_normgrad._dispatch`` passes to the next implementation of its list (the
+Mosaic GPU kernels on sm_90+: ``mosaic_gpu_problem``; else the pure-JAX
+reference), with a ``FallbackWarning`` naming the device.
 """
 
 from __future__ import annotations
@@ -103,21 +104,23 @@ def triton_problem() -> str | None:
           f"the kind is not in its list (jax.experimental.pallas.triton.get_gpu_info) and {how}")
 
 
-def mosaic_gpu_problem(platform: str) -> str | None:
-  """Why the Mosaic GPU kernels cannot stand in for Triton on the targeted GPU; None when they can.
+def mosaic_gpu_problem(*, known_device: bool) -> str | None:
+  """Why the Mosaic GPU kernels cannot run on the targeted GPU; None when they can.
 
-  They need CUDA, sm_90 or newer (known: a device with its compute
-  capability), and a jax with the Mosaic GPU API.
+  They need sm_90 or newer. ``known_device``: that must be known (a device
+  with its compute capability), as where the package picks them by itself
+  (standing in for Triton); else (the user named them) only a device known
+  to be older refuses them.
   """
-  if platform != "cuda":
-    return "the Mosaic GPU kernels do not run on ROCm"
   dev = target()
   if dev.compute_capability is None:
+    if not known_device:
+      return None
     unknown = ("an abstract device has no compute capability" if dev.abstract
                else "no GPU is attached" if dev.platform not in ("gpu", "cuda")
                else "the device's compute capability is unknown")
-    return f"the Mosaic GPU kernels need sm_90+ and {unknown}"
+    return f"they need sm_90+ and {unknown}"
   major, minor = dev.compute_capability.split(".")
   if int(major) < 9:
-    return f"the Mosaic GPU kernels need sm_90+ (the device is sm_{major}{minor})"
-  return _compat.mosaic_gpu_api_missing()
+    return f"they need sm_90+ (the device is sm_{major}{minor})"
+  return None

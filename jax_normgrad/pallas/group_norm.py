@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jax_normgrad.pallas import common, dispatch
+from jax_normgrad.pallas import common, kernels
 
 
 def _groups(x, group, channels_last, param_groups, activation):
@@ -11,23 +11,39 @@ def _groups(x, group, channels_last, param_groups, activation):
                          groups=group, param_groups=param_groups, activation=activation)
 
 
+def group_norm_fwd_problem(x, *params, group, channels_last, param_groups, y_dtype, activation,
+                           **unused) -> kernels.Problem:
+  """The kernels' problem of ``group_norm_fwd`` with these operands (shapes and dtypes)."""
+  del params, unused
+  return kernels.forward_problem(_groups(x, group, channels_last, param_groups, activation),
+                                 x.dtype, size=x.size, y_dtype=y_dtype)
+
+
+def group_norm_bwd_problem(dy, x, *rest, group, channels_last, activation, output_mask,
+                           param_groups, **unused) -> kernels.Problem:
+  """The kernels' problem of ``group_norm_bwd`` with these operands (shapes and dtypes)."""
+  del dy, rest, unused
+  return kernels.backward_problem(_groups(x, group, channels_last, param_groups, activation),
+                                  x.dtype, tuple(output_mask), size=x.size)
+
+
 def group_norm_fwd(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups,
-                   y_dtype, activation, interpret, gpu_backend=dispatch.TRITON):
+                   y_dtype, activation, interpret, backend="triton"):
   """``[y, mean, rstd]``, statistics ``(N, G)`` over each ``C/G * HW`` block, in float32.
 
   ``y = act((x - mean) * rstd * weight[c] + bias[c])`` in ``y_dtype`` (None:
   x's; ``act`` the identity without an ``activation``); x is read in its
-  layout, never transposed (see ``dispatch.forward`` for a float32 y from a
+  layout, never transposed (see ``kernels.forward`` for a float32 y from a
   16-bit x).
   """
   weight, bias = common.unpack(params, has_weight, has_bias)
   seg = _groups(x, group, channels_last, param_groups, activation)
-  return list(dispatch.forward(seg, x, weight, bias, eps=eps, interpret=interpret,
-                               y_dtype=y_dtype, gpu_backend=gpu_backend, op="group_norm_fwd"))
+  return list(kernels.forward(seg, x, weight, bias, eps=eps, interpret=interpret,
+                              y_dtype=y_dtype, backend=backend))
 
 
 def group_norm_bwd(dy, x, mean, rstd, *params, group, channels_last, has_gamma, has_beta,
-                   activation, output_mask, param_groups, interpret, gpu_backend=dispatch.TRITON):
+                   activation, output_mask, param_groups, interpret, backend="triton"):
   """The ``output_mask``'ed of ``[dx, dgamma, dbeta]`` (see ``reference.group_norm_bwd``).
 
   Per ``(n, g)`` block, ``g = dy * gamma[c]``:
@@ -37,7 +53,6 @@ def group_norm_bwd(dy, x, mean, rstd, *params, group, channels_last, has_gamma, 
   """
   gamma, beta = common.unpack(params, has_gamma, has_beta)
   seg = _groups(x, group, channels_last, param_groups, activation)
-  outs = dispatch.backward(seg, dy, x, mean, rstd, gamma, tuple(output_mask),
-                           interpret=interpret, gpu_backend=gpu_backend, op="group_norm_bwd",
-                           beta=beta)
+  outs = kernels.backward(seg, dy, x, mean, rstd, gamma, tuple(output_mask),
+                          interpret=interpret, backend=backend, beta=beta)
   return [o for o, m in zip(outs, output_mask) if m]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_normgrad import reference
-from jax_normgrad.pallas import common, dispatch
+from jax_normgrad.pallas import common, kernels
 
 F32 = jnp.float32
 
@@ -13,6 +13,38 @@ F32 = jnp.float32
 def _rows(x, centered, param_groups):
   m, h = x.shape
   return common.Segments("rows", m, 1, h, groups=1, param_groups=param_groups, centered=centered)
+
+
+def _kernel_x_dtype(x_dtype, normalized, mask):
+  """The dtype the backward kernel reads x (and dy) in: float32 for a ``normalized`` backward
+  with dx (its xhat operand is widened, and dx scaled after the kernel), else x's."""
+  if normalized and mask[0] and x_dtype != F32:
+    return jnp.dtype(F32)
+  return jnp.dtype(x_dtype)
+
+
+def _mask(output_mask):
+  return tuple(output_mask) + (False,) * (3 - len(output_mask))
+
+
+def layer_norm_fwd_problem(x, *params, centered, param_groups, y_dtype, has_residual=False,
+                           h_dtype=None, **unused) -> kernels.Problem:
+  """The kernels' problem of ``layer_norm_fwd`` with these operands (shapes and dtypes)."""
+  del unused
+  return kernels.forward_problem(_rows(x, centered, param_groups), x.dtype, size=x.size,
+                                 y_dtype=y_dtype, h_dtype=h_dtype,
+                                 residual_dtype=params[0].dtype if has_residual else None)
+
+
+def layer_norm_bwd_problem(dy, x, *rest, centered, output_mask, param_groups, normalized,
+                           has_dh=False, **unused) -> kernels.Problem:
+  """The kernels' problem of ``layer_norm_bwd`` with these operands (shapes and dtypes)."""
+  del dy, unused
+  mask = _mask(output_mask)
+  dh_dtype = rest[-1].dtype if has_dh and not normalized else None
+  return kernels.backward_problem(_rows(x, centered, param_groups),
+                                  _kernel_x_dtype(x.dtype, normalized, mask), mask, size=x.size,
+                                  dh_dtype=dh_dtype)
 
 
 def _xhat(x, mean, rstd):
@@ -29,7 +61,7 @@ def _xhat(x, mean, rstd):
 
 
 def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
-                   y_dtype, interpret, gpu_backend=dispatch.TRITON, has_residual=False, h_dtype=None):
+                   y_dtype, interpret, backend="triton", has_residual=False, h_dtype=None):
   """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``, then xhat if asked.
 
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
@@ -48,9 +80,9 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
   seg = _rows(x, centered, param_groups)
   view = (seg.n, 1, seg.b)
   extra = {} if residual is None else dict(residual=residual.reshape(view), h_dtype=h_dtype)
-  y, mean, rstd, *h = dispatch.forward(seg, x.reshape(view), weight, bias, eps=eps,
-                                       interpret=interpret, y_dtype=y_dtype,
-                                       gpu_backend=gpu_backend, op="layer_norm_fwd", **extra)
+  y, mean, rstd, *h = kernels.forward(seg, x.reshape(view), weight, bias, eps=eps,
+                                      interpret=interpret, y_dtype=y_dtype, backend=backend,
+                                      **extra)
   mean = mean.reshape(seg.n) if centered else None
   rstd = rstd.reshape(seg.n)
   outs = [y.reshape(x.shape)] + ([mean, rstd] if centered else [rstd])
@@ -59,7 +91,7 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
 
 
 def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-                   write_xhat, interpret, gpu_backend=dispatch.TRITON, has_dh=False,
+                   write_xhat, interpret, backend="triton", has_dh=False,
                    write_dx_dy=False):
   """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
 
@@ -74,12 +106,12 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   ``has_dh``: a last operand dh (x's shape) is added to dx in float32 before
   dx's one rounding, in the kernels' output pass (in the XLA fusion that
   scales a ``normalized`` dx). ``write_dx_dy``: dx a second time, right
-  after dx, rounded to dy's dtype (``dispatch.backward``).
+  after dx, rounded to dy's dtype (``kernels.backward``).
   """
   dh = None
   if has_dh:
     *rest, dh = rest
-  mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
+  mask = _mask(output_mask)
   m = x.shape[0]
   mean, rstd, weight = reference.split_ln_bwd_operands(rest, centered, has_weight, normalized)
   weight = reference.float32_or_none(weight)  # as in layer_norm_fwd
@@ -87,17 +119,16 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   kx, kdy = x, dy
   if normalized:
     mean, kernel_rstd = (jnp.zeros((m,), F32) if centered else None), jnp.ones((m,), F32)
-    if mask[0] and x.dtype != F32:
+    if _kernel_x_dtype(x.dtype, normalized, mask) != x.dtype:
       kx, kdy = x.astype(F32), dy.astype(F32)
   seg = _rows(x, centered, param_groups)
   view = (seg.n, 1, seg.b)
   kernel_dh = None if dh is None or normalized else dh.reshape(view)
   kernel_dx_dy = write_dx_dy and not normalized
-  outs = dispatch.backward(seg, kdy.reshape(view), kx.reshape(view),
-                           None if mean is None else mean.reshape(seg.n, 1),
-                           kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret,
-                           gpu_backend=gpu_backend, op="layer_norm_bwd", dh=kernel_dh,
-                           dx_dy=kernel_dx_dy)
+  outs = kernels.backward(seg, kdy.reshape(view), kx.reshape(view),
+                          None if mean is None else mean.reshape(seg.n, 1),
+                          kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret,
+                          backend=backend, dh=kernel_dh, dx_dy=kernel_dx_dy)
   dx = None if outs[0] is None else outs[0].reshape(x.shape)
   dx_dy = [outs[3].reshape(x.shape)] if kernel_dx_dy else []
   if dx is not None and normalized:

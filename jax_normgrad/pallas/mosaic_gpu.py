@@ -88,7 +88,7 @@ from jax_normgrad import _compat
 from jax_normgrad.pallas import (common, config, mosaic_gpu_group_norm, mosaic_gpu_pieces,
                                  mosaic_gpu_rows)
 
-#: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh`` (``dispatch.forward``).
+#: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh`` (``kernels.forward``).
 FUSES_RESIDUAL = True
 
 
@@ -118,7 +118,7 @@ def unsupported(seg: common.Segments, itemsize: int, *, backward: bool,
 
 def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=None,
             y_dtype=None):
-  """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``dispatch.forward``.
+  """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``kernels.forward``.
 
   ``y_dtype`` (a 16-bit y of a float32 x): these kernels write y in x's
   dtype; it is rounded to ``y_dtype`` in an XLA pass after them.
@@ -150,7 +150,7 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
              interpret):
   """``(dx | None, dgamma | None, dbeta | None)`` of LayerNorm / RMSNorm rows or GroupNorm.
 
-  See ``dispatch.backward``; ``beta`` only with GroupNorm's fused activation;
+  See ``kernels.backward``; ``beta`` only with GroupNorm's fused activation;
   ``dh`` (the residual form, rows; needs ``mask[0]``) is added to dx in
   float32 before its rounding.
   """

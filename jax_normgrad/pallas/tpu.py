@@ -392,7 +392,7 @@ def _compute_dtype(x):
 def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None,
             y_dtype=None):
   """``(y, mean | None, rstd)``, or with a residual ``(x, residual, weight, bias)`` and
-  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``dispatch.forward``. y in
+  ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``kernels.forward``. y in
   ``y_dtype`` (None: x's; a 16-bit one with a float32 x)."""
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
@@ -528,7 +528,7 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
 
 def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
              interpret: bool, dx_dy: bool = False):
-  """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``dispatch.backward``.
+  """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``kernels.backward``.
 
   dy and x are read each in its own dtype (float16 widened first, as
   everywhere on TPU), in blocks tiled for the narrower one.

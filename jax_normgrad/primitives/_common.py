@@ -8,30 +8,29 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 from jax.sharding import PartitionSpec
 
-from jax_normgrad import _compat, _implementation, _sharding
-from jax_normgrad.pallas import dispatch
+from jax_normgrad import _compat, _dispatch, _settings, _sharding
 
 
-def make_primitive(name: str, abstract_eval, *, xla, ffi=None, pallas=None,
+def make_primitive(name: str, abstract_eval, lowerings: _dispatch.Lowerings, *,
                    roles=None) -> Primitive:
   """A multiple-result primitive with eager impl, lowerings, the folding batcher and a JVP rule.
 
-  ``xla`` is the primitive's pure-JAX reference: a function of the operands
-  and of the parameters other than ``implementation``. It lowers
-  ``implementation="xla"`` and defines the derivatives (see ``_reference_jvp_rule``).
-  ``roles`` names the operands' and results' axes for the partitioning
-  rule (see ``jax_normgrad._sharding.register_roles``). A forward primitive
-  may carry a ``forward`` parameter ("kernel", "xla" or "auto", see
-  ``_implementation.forward_implementation``): it picks the lowering and
-  nothing else, so the abstract evaluation and the reference never see it.
+  ``lowerings.xla`` is the primitive's pure-JAX reference: a function of the
+  operands and of the parameters other than ``implementation``. It lowers
+  ``implementation="xla"`` and defines the derivatives (see
+  ``_reference_jvp_rule``); ``jax_normgrad._dispatch`` chooses among the
+  lowerings. ``roles`` names the operands' and results' axes for the
+  partitioning rule (see ``jax_normgrad._sharding.register_roles``). A
+  forward primitive may carry a ``forward`` parameter ("kernel", "xla" or
+  "auto", see ``_dispatch.choose``): it picks the lowering and nothing
+  else, so the abstract evaluation and the reference never see it.
   """
   prim = Primitive(name)
   prim.multiple_results = True
   prim.def_abstract_eval(_with_varying_axes(abstract_eval))
-  _implementation.def_impl_via_jit(prim)
-  if pallas is not None:  # the reference runs where no Pallas GPU kernel can
-    pallas = dispatch.with_reference(pallas, xla, name)
-  _implementation.register_lowerings(prim, xla=xla, ffi=ffi, pallas=pallas)
+  _dispatch.def_impl_via_jit(prim)
+  _dispatch.register_lowerings(prim, lowerings)
+  xla = lowerings.xla
   if roles is not None:
     _sharding.register_roles(prim, roles)
   batching.primitive_batchers[prim] = _fold_batch_rule(prim)
@@ -49,6 +48,7 @@ def _with_varying_axes(abstract_eval):
 
   def rule(*avals, forward="kernel", **params):
     del forward  # which implementation lowers a forward primitive: no bearing on its results
+    _settings.current()  # fixed at the first trace; raises if changed since
     outs = abstract_eval(*avals, **params)
     ref = avals[0] if avals else None
     if ref is None or not _compat.varying_axes(ref):

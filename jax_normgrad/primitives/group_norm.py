@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _ffi, reference
+from jax_normgrad import _dispatch, _ffi, reference
 from jax_normgrad.pallas import group_norm as pallas_gn
 from jax_normgrad.primitives._common import make_primitive, shaped
 from jax_normgrad.primitives.layer_norm import _split_params
@@ -84,9 +84,10 @@ def _fwd_roles(n_in, *, channels_last, **params):
   return [x] + [param] * (n_in - 1), [x, stats, stats]
 
 
-group_norm_fwd_p = make_primitive("jax_normgrad_group_norm_fwd", _fwd_abstract,
-                                  xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_gn.group_norm_fwd,
-                                  roles=_fwd_roles)
+group_norm_fwd_p = make_primitive(
+    "jax_normgrad_group_norm_fwd", _fwd_abstract,
+    _dispatch.Lowerings(xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_gn.group_norm_fwd,
+                        problem=pallas_gn.group_norm_fwd_problem), roles=_fwd_roles)
 
 
 # ----------------------------------------------------------------------------
@@ -132,6 +133,7 @@ def _bwd_roles(n_in, *, channels_last, has_gamma, has_beta, output_mask, **param
           [x] * output_mask[0] + [param] * sum(output_mask[1:]))
 
 
-group_norm_bwd_p = make_primitive("jax_normgrad_group_norm_bwd", _bwd_abstract,
-                                  xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_gn.group_norm_bwd,
-                                  roles=_bwd_roles)
+group_norm_bwd_p = make_primitive(
+    "jax_normgrad_group_norm_bwd", _bwd_abstract,
+    _dispatch.Lowerings(xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_gn.group_norm_bwd,
+                        problem=pallas_gn.group_norm_bwd_problem), roles=_bwd_roles)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _ffi, reference
+from jax_normgrad import _dispatch, _ffi, reference
 from jax_normgrad.pallas import layer_norm as pallas_ln
 from jax_normgrad.primitives._common import make_primitive, shaped
 
@@ -118,9 +118,10 @@ def _fwd_roles(n_in, *, centered, write_xhat, has_residual=False, **params):
           [_ROWS] + [_STATS] * (1 + centered) + [_ROWS] * (write_xhat + has_residual))
 
 
-layer_norm_fwd_p = make_primitive("jax_normgrad_layer_norm_fwd", _fwd_abstract,
-                                  xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_ln.layer_norm_fwd,
-                                  roles=_fwd_roles)
+layer_norm_fwd_p = make_primitive(
+    "jax_normgrad_layer_norm_fwd", _fwd_abstract,
+    _dispatch.Lowerings(xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_ln.layer_norm_fwd,
+                        problem=pallas_ln.layer_norm_fwd_problem), roles=_fwd_roles)
 
 
 # ----------------------------------------------------------------------------
@@ -193,6 +194,7 @@ def _bwd_roles(n_in, *, has_weight, output_mask, write_xhat, has_dh=False, write
           + [_ROWS] * write_xhat)
 
 
-layer_norm_bwd_p = make_primitive("jax_normgrad_layer_norm_bwd", _bwd_abstract,
-                                  xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_ln.layer_norm_bwd,
-                                  roles=_bwd_roles)
+layer_norm_bwd_p = make_primitive(
+    "jax_normgrad_layer_norm_bwd", _bwd_abstract,
+    _dispatch.Lowerings(xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_ln.layer_norm_bwd,
+                        problem=pallas_ln.layer_norm_bwd_problem), roles=_bwd_roles)

@@ -1,0 +1,265 @@
+"""The entry to the Pallas kernels: a problem handed to the backend chosen for it.
+
+The layer above the kernel modules: ``gpu`` (Triton), ``mosaic_gpu`` and
+``tpu`` hold the kernels, over the segment view and per-tile math of
+``common``; ``forward`` and ``backward`` hand them a problem, with the
+backend that ``jax_normgrad._dispatch`` chose (its name: "triton",
+"mosaic_gpu" or "mosaic_tpu"), importing them on first lowering.
+``forward_problem`` and ``backward_problem`` say what a kernel will be
+handed (:class:`Problem`), which the dispatcher asks before choosing. The
+package's GPU lowerings run with jax's Pallas Triton deprecation warning
+ignored (``quiet_lowering``). Above it stand the lowerings (``layer_norm``,
+``group_norm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+import threading
+import warnings
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_normgrad.pallas.common import Segments
+
+F32 = jnp.float32
+
+#: The Pallas backends a lowering may be handed.
+BACKENDS = ("triton", "mosaic_gpu", "mosaic_tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What a kernel is handed: the segments, and the bytes it reads per element.
+
+  ``itemsize``: x's bytes per element as the kernels read it (after a
+  forward's widening to a float32 y); ``extra_bytes``: the residual form's
+  further rows, bytes per element (the residual and h forward, dh backward);
+  ``empty``: no kernel runs (an empty x, or a backward with nothing asked for).
+  """
+
+  seg: Segments
+  itemsize: int
+  backward: bool
+  extra_bytes: int = 0
+  empty: bool = False
+
+
+def _y_plan(x_dtype, y_dtype):
+  """``(kernel x dtype, y dtype the kernels round to | None)`` of a forward.
+
+  A float32 y from a 16-bit x widens x first (exactly; an XLA convert), so y
+  is rounded once; a 16-bit y from a float32 x is rounded by the kernels.
+  """
+  x_dtype = jnp.dtype(x_dtype)
+  if y_dtype is None or jnp.dtype(y_dtype) == x_dtype:
+    return x_dtype, None
+  if jnp.dtype(y_dtype).itemsize < x_dtype.itemsize:
+    return x_dtype, jnp.dtype(y_dtype)
+  return jnp.dtype(y_dtype), None
+
+
+def forward_problem(seg: Segments, x_dtype, *, size: int, y_dtype=None, residual_dtype=None,
+                    h_dtype=None) -> Problem:
+  """The :class:`Problem` of ``forward`` with these operands (``size``: x's elements)."""
+  x_dtype, _ = _y_plan(x_dtype, y_dtype)
+  extra = 0
+  if residual_dtype is not None:
+    extra = jnp.dtype(residual_dtype).itemsize + jnp.dtype(h_dtype or x_dtype).itemsize
+  return Problem(seg, x_dtype.itemsize, False, extra, empty=size == 0)
+
+
+def backward_problem(seg: Segments, x_dtype, mask, *, size: int, dh_dtype=None) -> Problem:
+  """The :class:`Problem` of ``backward`` with these operands (``size``: x's elements)."""
+  extra = 0 if dh_dtype is None else jnp.dtype(dh_dtype).itemsize
+  return Problem(seg, jnp.dtype(x_dtype).itemsize, True, extra,
+                 empty=size == 0 or not any(mask))
+
+
+#: The start of jax's DeprecationWarning at each lowering of a Pallas Triton kernel
+#: (jax 0.11+, ``jax/_src/pallas/pallas_call.py``, deprecation "jax-pallas-triton"):
+#: "The Pallas Triton backend is deprecated and will be removed in a future JAX version. ..."
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+
+#: Our filter's pattern: that text, tagged (a regex comment) so that the entry is
+#: ours alone, never equal to one a user added (jax's own tests add that text).
+_FILTER_PATTERN = re.escape(TRITON_DEPRECATION) + "(?# jax_normgrad)"
+_FILTER_LOCK = threading.Lock()
+_filter_users = 0
+
+
+@contextlib.contextmanager
+def triton_deprecation_ignored():
+  """Ignores jax's Pallas Triton DeprecationWarning (``TRITON_DEPRECATION``) inside the block.
+
+  Around the package's own GPU lowerings (``quiet_lowering``): the package
+  chose the backend, so its users have nothing to act on. Only that message
+  and category; other warnings, and that one outside the block, are shown
+  as before. One filter entry is shared by the blocks of all threads, put
+  first in ``warnings.filters`` when the first block starts and removed when
+  the last ends: ``warnings.catch_warnings`` saves and restores the whole
+  list, so two lowerings overlapping in two threads could leave the filter
+  behind, or drop one a user added meanwhile. (An ignored warning is not
+  recorded in any ``__warningregistry__``, so removing the entry leaves no
+  trace.)
+  """
+  global _filter_users  # pylint: disable=global-statement
+  with _FILTER_LOCK:
+    if _filter_users == 0:
+      warnings.filterwarnings("ignore", message=_FILTER_PATTERN, category=DeprecationWarning)
+    _filter_users += 1
+  try:
+    yield
+  finally:
+    with _FILTER_LOCK:
+      _filter_users -= 1
+      if _filter_users == 0:  # list.remove: one step, whatever other threads do to the list
+        for entry in [f for f in warnings.filters if _is_ours(f)]:
+          with contextlib.suppress(ValueError):
+            warnings.filters.remove(entry)
+
+
+def _is_ours(entry) -> bool:
+  message = entry[1]
+  return message is not None and message.pattern == _FILTER_PATTERN
+
+
+def quiet_lowering(rule: Callable, platform: str) -> Callable:
+  """The lowering rule ``rule``, on CUDA and ROCm run with ``triton_deprecation_ignored``.
+
+  The Pallas Triton lowering, where jax 0.11+ warns, runs inside the rule
+  (``mlir.lower_fun`` traces and lowers the kernels there).
+  """
+  if platform not in ("cuda", "rocm"):
+    return rule
+
+  @functools.wraps(rule)
+  def quiet(*args, **kwargs):
+    with triton_deprecation_ignored():
+      return rule(*args, **kwargs)
+
+  return quiet
+
+
+def _gpu_kernels(backend: str):
+  """The GPU kernel module of ``backend``: Mosaic GPU's, else Triton's (whose module is ``gpu``)."""
+  gpu, _ = _backends()
+  if backend != "mosaic_gpu":
+    return gpu
+  from jax_normgrad.pallas import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  return mosaic_gpu
+
+
+def dispatch(gpu_fn, tpu_fn, arrays, *, interpret: bool, backend: str, **static):
+  """Runs ``gpu_fn`` on CUDA/ROCm, ``tpu_fn`` on TPU; on CPU, interpreted, the one of ``backend``.
+
+  The GPU/TPU choice is staged with ``lax.platform_dependent``: the branch
+  of the platform being lowered is the only one compiled. On CPU
+  ``backend`` "mosaic_tpu" interprets the TPU kernels, "triton" and
+  "mosaic_gpu" the GPU kernels (``gpu_fn``; Mosaic GPU's in Pallas' GPU
+  interpret mode). Both return the final outputs, so the branches have the
+  same types.
+  """
+  if interpret:
+    fn = tpu_fn if backend == "mosaic_tpu" else gpu_fn
+    return fn(*arrays, interpret=True, **static)
+  gpu = functools.partial(gpu_fn, interpret=False, **static)
+  return lax.platform_dependent(*arrays, cuda=gpu, rocm=gpu,
+                                tpu=functools.partial(tpu_fn, interpret=False, **static))
+
+
+def _backends():
+  """The kernel modules, imported on first lowering: importing Pallas costs about
+  0.3 s, which ``import jax_normgrad`` should not pay on CPU."""
+  from jax_normgrad.pallas import gpu, tpu  # pylint: disable=g-import-not-at-top
+  return gpu, tpu
+
+
+def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dtype=None,
+            backend: str = "triton", residual=None, h_dtype=None):
+  """``(y, mean | None, rstd)``: ``y`` like x ``(n, a, b)``, statistics ``(n, groups)`` float32.
+
+  y is in ``y_dtype`` (None: x's). A float32 y from a 16-bit x widens x first
+  (exactly; an XLA convert), so y is rounded once. A 16-bit y from a float32
+  x is written by the Triton and TPU kernels themselves (``y_dtype`` passed
+  on); the Mosaic GPU kernels write float32 and XLA rounds it after them.
+
+  ``residual`` (x's shape, x's dtype or float32): the kernels normalize
+  ``h = x + residual``, summed in float32 tile by tile (statistics and y from
+  the unrounded sum), and also write h in ``h_dtype`` (None: x's): the
+  result is ``(y, mean | None, rstd, h)``.
+  """
+  kernel_x_dtype, narrow_y = _y_plan(x.dtype, y_dtype)
+  if x.dtype != kernel_x_dtype:
+    x = x.astype(kernel_x_dtype)
+  narrow = {} if narrow_y is None else dict(y_dtype=narrow_y)  # the kernels round y themselves
+  _, tpu = _backends()
+  kernels = _gpu_kernels(backend)
+  stats = jnp.zeros((seg.n, seg.groups), F32)
+  if residual is not None:
+    h_dtype = jnp.dtype(h_dtype or x.dtype)
+    if x.size == 0:
+      return jnp.zeros_like(x), (stats if seg.centered else None), stats, jnp.zeros(x.shape, h_dtype)
+    assert kernels.FUSES_RESIDUAL, kernels.__name__
+    return dispatch(kernels.forward, tpu.forward, (x, residual, weight, bias),
+                    interpret=interpret, backend=backend, seg=seg, eps=eps, h_dtype=h_dtype)
+  if x.size == 0:
+    return (jnp.zeros(x.shape, narrow.get("y_dtype", x.dtype)), (stats if seg.centered else None),
+            stats)
+  return dispatch(kernels.forward, tpu.forward, (x, weight, bias), interpret=interpret,
+                  backend=backend, seg=seg, eps=eps, **narrow)
+
+
+def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
+             backend: str = "triton", beta=None, dh=None, dx_dy: bool = False):
+  """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools), [dx in dy's dtype].
+
+  ``beta`` is read only with ``seg.activation`` (the kernels then take it
+  after gamma).
+
+  ``dx`` like x; ``dgamma``, ``dbeta`` of shape ``(param_groups, channels)``
+  float32. Empty inputs give an empty ``dx`` and zero parameter gradients.
+  ``dy`` may be float32 with a 16-bit x (the backward of a float32 y), or
+  16-bit with a float32 x (the residual form's float32 h). GPU kernel
+  modules with ``MIXED_DTYPES`` (Triton's) and the TPU kernels read each in
+  its own dtype, write dx in x's and, with ``dx_dy`` (needs ``mask[0]``), dx
+  once more rounded to dy's dtype. The Mosaic GPU kernels take one dtype:
+  with them x and dy are widened (exactly) in XLA, and dx rounded to x's
+  (and dy's) dtype after them (the TPU branch then gets the same). ``dh``
+  (x's shape; needs ``mask[0]``): added to dx in float32 in the kernels'
+  output pass, before dx's rounding.
+  """
+  _, tpu = _backends()
+  kernels = _gpu_kernels(backend)
+  assert mask[0] or not dx_dy, "dx_dy needs dx"
+  if not any(mask):
+    return (None, None, None)
+  if x.size == 0:
+    zeros = jnp.zeros((seg.param_groups, seg.channels), F32)
+    return (jnp.zeros_like(x) if mask[0] else None,) + tuple(
+        zeros if m else None for m in mask[1:]) + ((jnp.zeros_like(dy),) if dx_dy else ())
+  x_dtype, dy_dtype = x.dtype, dy.dtype
+  if dh is not None:  # the residual form (rows; no activation, so no beta)
+    assert kernels.FUSES_RESIDUAL, kernels.__name__
+    operands = (dy, x, mean, rstd, gamma, None, dh)
+  else:
+    params = (gamma, beta) if seg.activation is not None else (gamma,)
+    operands = (dy, x, mean, rstd) + params
+  # Whether the GPU kernels read dy and x in their own dtypes; the TPU
+  # branch of ``dispatch`` takes the same operands and ``dx_dy`` (its kernels
+  # read mixed dtypes too).
+  mixed = getattr(kernels, "MIXED_DTYPES", False)
+  if dy_dtype != x_dtype and not mixed:
+    operands = (dy.astype(F32), x.astype(F32)) + operands[2:]
+  outs = dispatch(kernels.backward, tpu.backward, operands, interpret=interpret,
+                  backend=backend, seg=seg, mask=tuple(mask),
+                  **(dict(dx_dy=dx_dy) if mixed else {}))
+  dx, dgamma, dbeta = outs[:3]
+  rest = ()
+  if dx_dy:
+    rest = (outs[3],) if mixed else (dx.astype(dy_dtype),)
+  return ((None if dx is None else dx.astype(x_dtype)), dgamma, dbeta) + rest
