@@ -49,7 +49,7 @@ from jax.interpreters import mlir
 
 from jax_normgrad import _compat, _settings
 from jax_normgrad._fallback import warn_once
-from jax_normgrad.pallas import gpu_target, kernels
+from jax_normgrad.pallas import config, gpu_target, kernels
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -257,7 +257,12 @@ def register_lowerings(prim, lowerings: Lowerings) -> None:
 
   def make_rule(platform):
 
-    def rule(ctx, *args, implementation, forward="kernel", **params):
+    def rule(ctx, *args, implementation, forward="kernel", tuning=(), **params):
+      with config.lowering(tuning, platform):
+        return lower(ctx, *args, implementation=implementation, forward=forward, tuning=tuning,
+                     **params)
+
+    def lower(ctx, *args, implementation, forward, tuning, **params):
       choice = choose(prim.name, implementation, platform, forward=forward,
                       problem=_problem_of(lowerings, ctx.avals_in, params),
                       auto_partitioned=lambda: _auto_partitioned(ctx))
@@ -269,7 +274,7 @@ def register_lowerings(prim, lowerings: Lowerings) -> None:
         fn = functools.partial(lowerings.pallas, interpret=interpret,
                                backend=choice.implementation)
         if interpret and choice.implementation == "mosaic_gpu":
-          fn = _in_own_computation(functools.partial(fn, **params))
+          fn = _in_own_computation(functools.partial(fn, **params), tuning)
           params = {}
         if interpret:
           # Pallas' interpreter (every jax up to 0.11) evaluates a kernel's body on
@@ -295,7 +300,7 @@ def _problem_of(lowerings: Lowerings, avals, params) -> Callable[[], kernels.Pro
 _INTERPRET_LOCK = threading.Lock()
 
 
-def _in_own_computation(fn):
+def _in_own_computation(fn, tuning):
   """``fn`` run by a host callback as a jitted computation of its own, one at a time.
 
   For the Mosaic GPU kernels in GPU interpret mode (CPU). The interpreter
@@ -305,12 +310,13 @@ def _in_own_computation(fn):
   declares no effects (its abstract evaluation knows no platform), so inside
   the primitive's lowering nothing would order two kernels of one program;
   run on its own, the kernel's computation declares the effect, and the lock
-  keeps kernels of concurrent computations apart.
+  keeps kernels of concurrent computations apart. The kernel is traced when
+  the callback first runs, so the primitive's ``tuning`` is applied there.
   """
   jitted = jax.jit(fn)
 
   def host(*arrays):
-    with _INTERPRET_LOCK:
+    with _INTERPRET_LOCK, config.lowering(tuning, "cpu"):
       return jax.tree.map(np.asarray, jitted(*arrays))
 
   def run(*args):
@@ -448,8 +454,9 @@ def explain(fun: Callable, *args, platform: str | None = None, **kwargs) -> Expl
     implementation = params.pop("implementation")
     forward = params.pop("forward", "kernel")
     avals = [v.aval for v in eqn.invars]
-    choice = choose(eqn.primitive.name, implementation, platform, forward=forward,
-                    problem=_problem_of(lowerings, avals, params))
+    with config.lowering(params.pop("tuning", ()), platform):
+      choice = choose(eqn.primitive.name, implementation, platform, forward=forward,
+                      problem=_problem_of(lowerings, avals, params))
     operands = tuple(f"{a.dtype}{list(a.shape)}" for a in avals)
     found.append(Explained(eqn.primitive.name, operands, where, choice))
   return found

@@ -97,17 +97,17 @@ def _row_axes(mesh, arg_shapes, in_factors, op) -> dict[str, tuple[str, ...]]:
   return axes
 
 
-#: primitive -> roles(n_operands, **params) -> (operand axis names, result axis names).
+#: primitive -> roles(**params) -> (operand axis names, result axis names).
 _ROLES: dict = {}
 
 
 def register_roles(prim, roles: Callable) -> None:
   """Registers the axis names of ``prim``'s operands and results (see :func:`bind`).
 
-  ``roles(n_operands, **params)`` returns two lists with one tuple of names
-  per operand / result of the canonical primitive, ``ROW`` first for the
-  row-wise ones (e.g. ``("r", "h")`` for LayerNorm's x, ``("w", "h")`` for
-  its weight).
+  ``roles(**params)`` returns two lists with one tuple of names per operand
+  (named by the ``operands`` parameter) / result of the canonical
+  primitive, ``ROW`` first for the row-wise ones (e.g. ``("r", "h")`` for
+  LayerNorm's x, ``("w", "h")`` for its weight).
   """
   _ROLES[prim] = roles
 
@@ -166,7 +166,7 @@ def bind(prim, *args, lead: int = 1, **params):
   parameter rows by position, so they stay unpartitioned too.
   """
   args = match_varying(args)
-  in_roles, out_roles = _ROLES[prim](len(args), **params)
+  in_roles, out_roles = _ROLES[prim](**params)
   row_in = [r[:1] == (ROW,) and a.shape != (0,) for r, a in zip(in_roles, args)]
   row_out = [r[:1] == (ROW,) for r in out_roles]
 

@@ -73,39 +73,24 @@ def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, wr
   return outs
 
 
-def split_dh(rest, has_dh):
-  """(the backward's operands after (dy, x) without dh, dh | None): dh comes last."""
-  return (rest[:-1], rest[-1]) if has_dh else (rest, None)
-
-
-def split_ln_bwd_operands(rest, centered, has_weight, normalized):
-  """(mean | None, rstd, weight | None) from the backward's operands after (dy, x)."""
-  rest = list(rest)
-  weight = rest.pop() if has_weight else None
-  mean = rest.pop(0) if centered and not normalized else None
-  (rstd,) = rest
-  return mean, rstd, weight
-
-
-def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups,
-                   normalized=False, write_xhat=False, has_dh=False, write_dx_dy=False):
+def layer_norm_bwd(ops, *, centered, output_mask, param_groups, normalized=False,
+                   write_xhat=False, write_dx_dy=False):
   """Returns the outputs of ``output_mask`` among ``[dx, dweight, dbias]``, then ``xhat`` if ``write_xhat``.
 
-  ``xhat = (x - mean) * rstd``, ``g = dy * weight``,
+  ``ops``: the operands (``_operands.NormBwd``: dy, x, mean, rstd,
+  weight, dh). ``xhat = (x - mean) * rstd``, ``g = dy * weight``,
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (no ``mean(g)`` when
   not centered), ``dweight = sum_rows dy * xhat``, ``dbias = sum_rows dy``.
-  ``normalized``: ``x`` is ``xhat`` already (no ``mean`` operand) and ``rstd``
-  only scales ``dx`` (it is empty when ``dx`` is masked out). ``dy`` is in x's
-  dtype or float32; dx and xhat are in x's dtype. ``has_dh``: a last operand
-  ``dh`` (x's dtype, the cotangent of the residual form's ``h``, whose ``x``
-  operand is h) is added to dx in float32 before its one rounding.
-  ``dy`` may also be 16-bit with a float32 x (the residual form's float32
-  h); ``write_dx_dy`` then adds, right after dx, dx rounded once to dy's
-  dtype.
+  ``normalized``: ``x`` is ``xhat`` already (no ``mean``) and ``rstd`` only
+  scales ``dx`` (it is empty when ``dx`` is masked out). ``dy`` is in x's
+  dtype or float32; dx and xhat are in x's dtype. ``dh`` (x's dtype, the
+  cotangent of the residual form's ``h``, whose ``x`` operand is h) is added
+  to dx in float32 before its one rounding. ``dy`` may also be 16-bit with a
+  float32 x (the residual form's float32 h); ``write_dx_dy`` then adds, right
+  after dx, dx rounded once to dy's dtype.
   """
-  rest, dh = split_dh(rest, has_dh)
-  mean, rstd, weight = split_ln_bwd_operands(rest, centered, has_weight, normalized)
-  weight = float32_or_none(weight)
+  dy, x, mean, rstd, dh = ops.dy, ops.x, ops.mean, ops.rstd, ops.dh
+  weight = float32_or_none(ops.weight)
   m, h = x.shape
   w = param_groups
   dy32 = _grouped(dy.astype(F32), w)
@@ -188,19 +173,17 @@ def group_norm_fwd(x, weight=None, bias=None, *, eps, group, channels_last, para
   return [y.reshape(x.shape).astype(y_dtype or x.dtype), mean, rstd]
 
 
-def group_norm_bwd(dy, x, mean, rstd, *params, group, channels_last, has_gamma, output_mask,
-                   param_groups, has_beta=False, activation=None):
-  """Returns the outputs of ``output_mask`` among ``[dx, dgamma, dbeta]``.
+def group_norm_bwd(ops, *, group, channels_last, output_mask, param_groups, activation=None):
+  """Returns the outputs of ``output_mask`` among ``[dx, dweight, dbias]``.
 
-  Per ``(n, g)`` block, ``g = dy * gamma[c]``:
+  ``ops``: the operands (``_operands.GroupNormBwd``: dy, x, mean,
+  rstd, weight, bias). Per ``(n, g)`` block, ``g = dy * weight[c]``:
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``;
-  ``dgamma[c] = sum_{n, hw} dy * xhat``, ``dbeta[c] = sum_{n, hw} dy``.
+  ``dweight[c] = sum_{n, hw} dy * xhat``, ``dbias[c] = sum_{n, hw} dy``.
   With an ``activation``, ``dy`` is the cotangent of ``act(z)``,
-  ``z = xhat * gamma + beta`` (``params``: gamma if ``has_gamma``, then beta if
-  ``has_beta``), and ``dz = dy * act'(z)`` stands for dy above.
+  ``z = xhat * weight + bias``, and ``dz = dy * act'(z)`` stands for dy above.
   """
-  gamma = params[0] if has_gamma else None
-  beta = params[has_gamma] if has_beta else None
+  dy, x, mean, rstd, weight, bias = ops
   n = x.shape[0]
   c = x.shape[2] if channels_last else x.shape[1]
   axes, bcast = _gn_axes(channels_last)
@@ -209,13 +192,13 @@ def group_norm_bwd(dy, x, mean, rstd, *params, group, channels_last, has_gamma, 
   rs = rstd.astype(F32)[bcast]
   xhat = (xb - mean.astype(F32)[bcast]) * rs
   if activation is not None:
-    z = xhat * _gn_param(gamma.astype(F32), n, group, channels_last) if gamma is not None else xhat
-    if beta is not None:
-      z = z + _gn_param(beta.astype(F32), n, group, channels_last)
+    z = xhat * _gn_param(weight.astype(F32), n, group, channels_last) if weight is not None else xhat
+    if bias is not None:
+      z = z + _gn_param(bias.astype(F32), n, group, channels_last)
     dyb = dyb * _activations.grad(z, activation)
   outs = []
   if output_mask[0]:
-    g = dyb * _gn_param(gamma, n, group, channels_last) if gamma is not None else dyb
+    g = dyb * _gn_param(weight, n, group, channels_last) if weight is not None else dyb
     c1 = jnp.mean(g, axis=axes, keepdims=True)
     c2 = jnp.mean(g * xhat, axis=axes, keepdims=True)
     outs.append((rs * (g - c1 - xhat * c2)).reshape(x.shape).astype(x.dtype))

@@ -256,7 +256,7 @@ class TritonKernel:
   def programs_per_sm(self) -> int:
     """Programs each SM must hold at once for the whole grid to be resident (an H100's SMs:
     the count the tile heuristics plan for when exporting with no GPU attached)."""
-    return -(-self.grid // config.current().gpu_default_sms)
+    return -(-self.grid // config.device().sms)
 
   @property
   def tile_elems(self) -> int:

@@ -190,3 +190,17 @@ def on_cpu():
   for the tests of the CPU kernels themselves (their FFI attributes, errors and call
   structure), which a GPU machine's default device would otherwise not reach."""
   return jax.default_device(jax.devices("cpu")[0])
+
+
+def bind(prim, ops, **params):
+  """``prim`` bound on ``ops`` (a structure of ``jax_normgrad._operands``), the ops' way."""
+  from jax_normgrad._operands import pack  # pylint: disable=g-import-not-at-top
+  args, names = pack(ops)
+  return prim.bind(*args, operands=names, **params)
+
+
+def norm_bwd_operands(dy, x, stats, weight=None, dh=None):
+  """``NormBwd`` from a forward's statistics (``[mean, rstd]``, or ``[rstd]`` for RMSNorm)."""
+  from jax_normgrad._operands import NormBwd  # pylint: disable=g-import-not-at-top
+  mean, rstd = stats if len(stats) == 2 else (None, stats[0])
+  return NormBwd(dy, x, mean, rstd, weight, dh)

@@ -12,6 +12,7 @@ import pytest
 
 import jax_normgrad as jn
 from jax_normgrad.pallas import common, config, gpu as pallas_gpu, tpu as pallas_tpu
+import cases
 from cases import (MASKS, assert_launches, export_for, kernel_launches, needs_mosaic_gpu, random,
                    rotate)
 import reference_np as ref
@@ -456,11 +457,11 @@ class TestAddNormValidation:
     with pytest.raises(ValueError, match="implementation"):
       jn.add_rms_norm(x, x, implementation="cuda")
     # The primitive: no xhat output with a residual (the docstring of primitives.layer_norm).
+    from jax_normgrad._operands import NormFwd
     from jax_normgrad.primitives.layer_norm import layer_norm_fwd_p
-    with pytest.raises(ValueError, match="write_xhat: not available with has_residual"):
-      layer_norm_fwd_p.bind(x, x, eps=1e-5, centered=True, has_weight=False, has_bias=False,
-                            param_groups=1, write_xhat=True, y_dtype=None, implementation="xla",
-                            has_residual=True, h_dtype=None)
+    with pytest.raises(ValueError, match="write_xhat: not available with a residual"):
+      cases.bind(layer_norm_fwd_p, NormFwd(x, x), eps=1e-5, centered=True, param_groups=1,
+                 write_xhat=True, y_dtype=None, implementation="xla", h_dtype=None)
 
 
 class TestAddNormDropins:

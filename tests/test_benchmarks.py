@@ -345,11 +345,11 @@ def test_bench_models_tuned_variants_trace_under_their_override():
       "fused", {"gpu_nhwc_split": False, "gpu_nhwc_max_tile_fwd": 4096})
   assert bench_models.split_variant("ours") == ("ours", {})
   # A step per variant (as training_step makes), reading the tuning while it is traced.
-  step = lambda: jax.jit(lambda x: x * config.current().interpret_programs)
+  step = lambda: jax.jit(lambda x: x * config.interpret_programs())
   x = jnp.ones((2,), jnp.float32)
   compiled = bench_models.compile_steps({"ours": (step(), (x,)),
                                          "ours@interpret_programs=7": (step(), (x,))})
-  assert float(compiled["ours"][0](x)[0]) == config.current().interpret_programs
+  assert float(compiled["ours"][0](x)[0]) == config.interpret_programs()
   assert float(compiled["ours@interpret_programs=7"][0](x)[0]) == 7.0
 
 

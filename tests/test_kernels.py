@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -78,22 +77,24 @@ def test_16bit_layer_norm_parameters_reach_the_kernels_unconverted():
 def test_16bit_layer_norm_parameters_compute_as_float32_ones(dtype, rows, h, groups, has_weight,
                                                              has_bias):
   """The kernels read 16-bit parameters exactly: every output bitwise that of the float32 copies."""
+  from jax_normgrad._operands import NormBwd, NormFwd
   from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
   keys = jax.random.split(jax.random.PRNGKey(rows + h), 4)
   xs = jax.random.normal(keys[0], (rows, h), dtype) * 2 + 0.5
   dy = jax.random.normal(keys[1], (rows, h), dtype)
-  params = [jax.random.normal(k, (groups, h), dtype) for k, p in zip(keys[2:], (has_weight, has_bias))
-            if p]
-  fwd = dict(eps=1e-5, centered=True, has_weight=has_weight, has_bias=has_bias,
-             param_groups=groups, write_xhat=False, y_dtype=None, implementation="ffi")
-  bwd = dict(centered=True, has_weight=has_weight, output_mask=(True, True, True),
-             param_groups=groups, normalized=False, write_xhat=False, implementation="ffi")
-  weight = params[:1] if has_weight else []
+  params = [jax.random.normal(k, (groups, h), dtype) if p else None
+            for k, p in zip(keys[2:], (has_weight, has_bias))]
+  fwd = dict(eps=1e-5, centered=True, param_groups=groups, write_xhat=False, y_dtype=None,
+             implementation="ffi")
+  bwd = dict(centered=True, output_mask=(True, True, True), param_groups=groups,
+             normalized=False, write_xhat=False, implementation="ffi")
   outs = {}
-  for name, ps in (("16-bit", params), ("float32", [p.astype(jnp.float32) for p in params])):
-    y, mean, rstd = layer_norm_fwd_p.bind(xs, *ps, **fwd)
+  for name, (w, b) in (("16-bit", params),
+                       ("float32", [None if p is None else p.astype(jnp.float32) for p in params])):
+    y, mean, rstd = cases.bind(layer_norm_fwd_p, NormFwd(xs, None, w, b), **fwd)
     assert y.dtype == dtype
-    outs[name] = [y, mean, rstd, *layer_norm_bwd_p.bind(dy, xs, mean, rstd, *ps[:len(weight)], **bwd)]
+    outs[name] = [y, mean, rstd, *cases.bind(layer_norm_bwd_p, NormBwd(dy, xs, mean, rstd, w),
+                                             **bwd)]
   for a, b in zip(outs["16-bit"], outs["float32"]):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -304,22 +305,22 @@ def test_ffi_handlers_return_errors(target, out_types, operands, attrs, match):
 
 
 @pytest.mark.parametrize("x_dtype,dy_dtype,flag", [
-    (jnp.bfloat16, jnp.float32, "has_dh"), (jnp.float32, jnp.float32, "write_dx_dy"),
+    (jnp.bfloat16, jnp.float32, "dh"), (jnp.float32, jnp.float32, "write_dx_dy"),
     (jnp.bfloat16, jnp.bfloat16, "write_dx_dy"), (jnp.bfloat16, jnp.float32, "write_dx_dy")])
 @pytest.mark.parametrize("implementation", ["ffi", "xla"])
 def test_residual_flags_refuse_other_dtypes(x_dtype, dy_dtype, flag, implementation):
   """The backward primitive's residual-form flags take the residual form's dtypes only, on every
   backend (the C++ kernels are compiled for those only; their handler refuses the rest too)."""
+  from jax_normgrad._operands import NormBwd
   from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p
   x, dy = jnp.ones((4, 8), x_dtype), jnp.ones((4, 8), dy_dtype)
-  stats = (jnp.zeros((4,), jnp.float32), jnp.ones((4,), jnp.float32))
-  flags = dict(has_dh=flag == "has_dh", write_dx_dy=flag == "write_dx_dy")
-  dh = (x,) if flags["has_dh"] else ()
+  mean, rstd = jnp.zeros((4,), jnp.float32), jnp.ones((4,), jnp.float32)
+  dh = x if flag == "dh" else None
   with pytest.raises(TypeError, match=flag):
-    jax.eval_shape(lambda *a: layer_norm_bwd_p.bind(
-        *a, centered=True, has_weight=False, output_mask=(True, False, False), param_groups=1,
-        normalized=False, write_xhat=False, implementation=implementation, **flags),
-        dy, x, *stats, *dh)
+    jax.eval_shape(lambda *a: cases.bind(
+        layer_norm_bwd_p, NormBwd(*a), centered=True, output_mask=(True, False, False),
+        param_groups=1, normalized=False, write_xhat=False, implementation=implementation,
+        write_dx_dy=flag == "write_dx_dy"), dy, x, mean, rstd, None, dh)
 
 
 def _default_isa() -> str:

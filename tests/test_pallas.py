@@ -24,12 +24,13 @@ import pytest
 
 import jax_normgrad as jn
 from jax_normgrad import reference
-from jax_normgrad.ops._common import present
+from jax_normgrad._operands import GroupNormBwd, GroupNormFwd, NormBwd, NormFwd
 from jax_normgrad.pallas import config
 from jax_normgrad.primitives.group_norm import group_norm_bwd_p, group_norm_fwd_p
 from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
 import cases
-from cases import DTYPES, MASKS, export_for, needs_mosaic_gpu, random, rotate
+from cases import (DTYPES, MASKS, bind, export_for, needs_mosaic_gpu, norm_bwd_operands, random,
+                   rotate)
 import reference_np as ref
 from tolerances import assert_close
 
@@ -139,12 +140,11 @@ def test_parameter_gradients_take_one_partials_launch(norm, shape, argnums):
 def test_rms_norm_primitives_lower_to_pallas(platform, y_dtype):
   # y_dtype=float32: a bfloat16 x with a float32 y, and its float32 dy.
   def f(x, w, dy):
-    y, rstd = layer_norm_fwd_p.bind(x, w, eps=1e-6, centered=False, has_weight=True,
-                                    has_bias=False, param_groups=1, write_xhat=False,
-                                    y_dtype=y_dtype, implementation=None)
-    return layer_norm_bwd_p.bind(dy, x, rstd, w, centered=False, has_weight=True,
-                                 output_mask=(True, True, False), param_groups=1,
-                                 normalized=False, write_xhat=False, implementation=None) + [y]
+    y, rstd = bind(layer_norm_fwd_p, NormFwd(x, weight=w), eps=1e-6, centered=False,
+                   param_groups=1, write_xhat=False, y_dtype=y_dtype, implementation=None)
+    return bind(layer_norm_bwd_p, NormBwd(dy, x, rstd=rstd, weight=w), centered=False,
+                output_mask=(True, True, False), param_groups=1, normalized=False,
+                write_xhat=False, implementation=None) + [y]
   args = (_sds((64, 4096), jnp.bfloat16), _sds((1, 4096), F32),
           _sds((64, 4096), y_dtype or jnp.bfloat16))
   _assert_pallas(_export_text(f, args, platform), platform)
@@ -194,22 +194,20 @@ def test_layer_norm_primitives_interpreted(rng, dtype, mask, has_weight, backend
   bias = random(rng, (w, h), F32)
   kw = dict(centered=centered, param_groups=w)
   with _kernels(backend, tiny) as impl:
-    y, *stats = jax.jit(lambda x, *p: layer_norm_fwd_p.bind(
-        x, *p, eps=1e-5, has_weight=has_weight, has_bias=True, write_xhat=False, y_dtype=None,
-        implementation=impl, **kw))(
-            x, *present(weight, bias))
-    outs = jax.jit(lambda dy, x, *r: layer_norm_bwd_p.bind(
-        dy, x, *r, has_weight=has_weight, output_mask=mask, normalized=False, write_xhat=False,
-        implementation=impl, **kw))(
-            dy, x, *stats, *present(weight))
+    y, *stats = jax.jit(lambda x, w, b: bind(
+        layer_norm_fwd_p, NormFwd(x, None, w, b), eps=1e-5, write_xhat=False, y_dtype=None,
+        implementation=impl, **kw))(x, weight, bias)
+    outs = jax.jit(lambda dy, x, stats, w: bind(
+        layer_norm_bwd_p, norm_bwd_operands(dy, x, stats, w), output_mask=mask,
+        normalized=False, write_xhat=False, implementation=impl, **kw))(dy, x, stats, weight)
   # The float32 reference before the final rounding: only that rounding may differ.
   y_ref, *stats_ref = reference.layer_norm_fwd(*_f32(x, weight, bias), eps=1e-5, **kw)
   assert y.dtype == dtype and len(stats) == 1 + centered
   assert_close(y, y_ref, dtype, h, "y")
   for s, s_ref in zip(stats, stats_ref):
     assert_close(s, s_ref, F32, h, "mean/rstd")
-  refs = reference.layer_norm_bwd(*_f32(dy, x, *stats, *present(weight)),
-                                  has_weight=has_weight, output_mask=mask, **kw)
+  refs = reference.layer_norm_bwd(norm_bwd_operands(*_f32(dy, x), _f32(*stats), *_f32(weight)),
+                                  output_mask=mask, **kw)
   assert len(outs) == len(refs) == sum(mask)
   for name, out, expected in zip(_names(mask), outs, refs):
     if name == "dx":
@@ -249,12 +247,12 @@ def test_group_norm_primitives_interpreted(rng, dtype, mask, n, c, hw, group, ch
   gamma, beta = random(rng, (w, c), F32, offset=1.0), random(rng, (w, c), F32)
   kw = dict(group=group, channels_last=channels_last, param_groups=w)
   with _kernels(backend, tiny) as impl:
-    y, mean, rstd = jax.jit(lambda x, g, b: group_norm_fwd_p.bind(
-        x, g, b, eps=1e-5, has_weight=True, has_bias=True, y_dtype=None, activation=None,
+    y, mean, rstd = jax.jit(lambda x, g, b: bind(
+        group_norm_fwd_p, GroupNormFwd(x, g, b), eps=1e-5, y_dtype=None, activation=None,
         implementation=impl, **kw))(
             x, gamma, beta)
-    outs = jax.jit(lambda *a: group_norm_bwd_p.bind(
-        *a, has_gamma=True, has_beta=False, activation=None, output_mask=mask,
+    outs = jax.jit(lambda *a: bind(
+        group_norm_bwd_p, GroupNormBwd(*a), activation=None, output_mask=mask,
         implementation=impl, **kw))(
             dy, x, mean, rstd, gamma)
   block = c // group * hw
@@ -263,7 +261,7 @@ def test_group_norm_primitives_interpreted(rng, dtype, mask, n, c, hw, group, ch
   assert_close(y, y_ref, dtype, block, "y")
   assert_close(mean, mean_ref, F32, block, "mean")
   assert_close(rstd, rstd_ref, F32, block, "rstd")
-  refs = reference.group_norm_bwd(*_f32(dy, x, mean, rstd, gamma), has_gamma=True,
+  refs = reference.group_norm_bwd(GroupNormBwd(*_f32(dy, x, mean, rstd, gamma)),
                                   output_mask=mask, **kw)
   assert len(outs) == len(refs) == sum(mask)
   for name, out, expected in zip(_names(mask), outs, refs):
@@ -332,9 +330,9 @@ def test_deterministic_across_programs(rng, backend):
   x, dy = random(rng, (301, 300), F32), random(rng, (301, 300), F32)
   stats = reference.layer_norm_fwd(x, eps=1e-5, centered=True, param_groups=1)[1:]
   with _kernels(backend, tiny=True) as impl:
-    f = jax.jit(lambda *a: layer_norm_bwd_p.bind(
-        *a, centered=True, has_weight=False, output_mask=(True, True, True), param_groups=1,
-        normalized=False, write_xhat=False, implementation=impl))
+    f = jax.jit(lambda *a: bind(
+        layer_norm_bwd_p, NormBwd(*a), centered=True, output_mask=(True, True, True),
+        param_groups=1, normalized=False, write_xhat=False, implementation=impl))
     first = [np.asarray(o) for o in f(dy, x, *stats)]
     for _ in range(3):
       for a, b in zip(first, f(dy, x, *stats)):
@@ -605,17 +603,18 @@ def test_mosaic_gpu_single_stage_and_parameters_from_gmem(rng, smem_bytes, backw
   with config.override(mosaic_gpu_smem_bytes=smem_bytes):
     plan = config.mosaic_gpu_plan(h, 4, backward=backward, params=1 if backward else 2)
     assert (plan.stages, plan.params_in_smem) == (1, False)
-    y, *stats = jax.jit(lambda x, w, b: layer_norm_fwd_p.bind(
-        x, w, b, eps=1e-5, has_weight=True, has_bias=True, write_xhat=False, y_dtype=None,
+    y, *stats = jax.jit(lambda x, w, b: bind(
+        layer_norm_fwd_p, NormFwd(x, None, w, b), eps=1e-5, write_xhat=False, y_dtype=None,
         implementation="mosaic_gpu", **kw))(x, w, b)
     if backward:
-      outs = jax.jit(lambda *a: layer_norm_bwd_p.bind(
-          *a, has_weight=True, output_mask=(True, True, True), normalized=False,
-          write_xhat=False, implementation="mosaic_gpu", **kw))(dy, x, *stats, w)
+      outs = jax.jit(lambda dy, x, stats, w: bind(
+          layer_norm_bwd_p, norm_bwd_operands(dy, x, stats, w), output_mask=(True, True, True),
+          normalized=False, write_xhat=False, implementation="mosaic_gpu", **kw))(
+              dy, x, stats, w)
   y_ref, *stats_ref = reference.layer_norm_fwd(x, w, b, eps=1e-5, **kw)
   assert_close(y, y_ref, F32, h, "y")
   if backward:
-    refs = reference.layer_norm_bwd(dy, x, *stats, w, has_weight=True,
+    refs = reference.layer_norm_bwd(norm_bwd_operands(dy, x, stats, w),
                                     output_mask=(True, True, True), **kw)
     for name, out, expected in zip(("dx", "dweight", "dbias"), outs, refs):
       assert_close(out, expected, F32, h if name == "dx" else m, name)
@@ -640,9 +639,9 @@ def test_mosaic_gpu_forward_in_place(rng, centered):
     # The residual form's rows (more than one output) never: one stage still.
     res = config.mosaic_gpu_plan(h, 4, backward=False, in_place=True, extra_bytes=2)
     assert (res.stages, res.in_place) == (1, False)
-    y, *stats = jax.jit(lambda x, w, b: layer_norm_fwd_p.bind(
-        x, w, b, eps=1e-5, has_weight=True, has_bias=centered, write_xhat=False, y_dtype=None,
-        implementation="mosaic_gpu", **kw))(x, w, b)
+    y, *stats = jax.jit(lambda x, w, b: bind(
+        layer_norm_fwd_p, NormFwd(x, None, w, b if centered else None), eps=1e-5,
+        write_xhat=False, y_dtype=None, implementation="mosaic_gpu", **kw))(x, w, b)
   jax.clear_caches()
   y_ref, *stats_ref = reference.layer_norm_fwd(x, w, b if centered else None, eps=1e-5, **kw)
   assert_close(y, y_ref, F32, h, "y")
@@ -693,18 +692,18 @@ def test_mosaic_gpu_long_rows_in_pieces(rng, centered):
     assert config.mosaic_gpu_plan(h, 4, backward=False) is None
     assert config.mosaic_gpu_pieces(h, 4, backward=False)[0] == 2
     assert config.mosaic_gpu_pieces(h, 4, backward=True, params=1, outputs=1, partials=2)[0] == 4
-    y, *stats = jax.jit(lambda x, w, b: layer_norm_fwd_p.bind(
-        x, w, b, eps=1e-5, has_weight=True, has_bias=True, write_xhat=False, y_dtype=None,
+    y, *stats = jax.jit(lambda x, w, b: bind(
+        layer_norm_fwd_p, NormFwd(x, None, w, b), eps=1e-5, write_xhat=False, y_dtype=None,
         implementation="mosaic_gpu", **kw))(x, w, b)
-    outs = jax.jit(lambda *a: layer_norm_bwd_p.bind(
-        *a, has_weight=True, output_mask=mask, normalized=False, write_xhat=False,
-        implementation="mosaic_gpu", **kw))(dy, x, *stats, w)
+    outs = jax.jit(lambda dy, x, stats, w: bind(
+        layer_norm_bwd_p, norm_bwd_operands(dy, x, stats, w), output_mask=mask,
+        normalized=False, write_xhat=False, implementation="mosaic_gpu", **kw))(dy, x, stats, w)
   jax.clear_caches()
   y_ref, *stats_ref = reference.layer_norm_fwd(x, w, b, eps=1e-5, **kw)
   assert_close(y, y_ref, F32, h, "y")
   for got, want in zip(stats, stats_ref):
     assert_close(got, want, F32, h)
-  refs = reference.layer_norm_bwd(dy, x, *stats, w, has_weight=True, output_mask=mask, **kw)
+  refs = reference.layer_norm_bwd(norm_bwd_operands(dy, x, stats, w), output_mask=mask, **kw)
   for name, out, expected in zip(("dx", "dweight", "dbias"), outs, refs):
     assert_close(out, expected, F32, h if name == "dx" else m, name)
 

@@ -366,7 +366,7 @@ def _every_op(implementation):
 
 
 @eight
-@pytest.mark.parametrize("impl", ["pallas", "pallas-tpu"])
+@pytest.mark.parametrize("impl", ["pallas", "mosaic_tpu"])
 def test_shard_map_every_op_pallas_equals_ffi(impl):
   """Each op inside shard_map (x, dy sharded; parameters replicated), checked for types:
   the Pallas kernels give the CPU kernels' results. Per-device outputs are
@@ -389,7 +389,7 @@ def test_shard_map_every_op_pallas_equals_ffi(impl):
 
 
 @eight
-@pytest.mark.parametrize("impl", ["pallas", "pallas-tpu"])
+@pytest.mark.parametrize("impl", ["pallas", "mosaic_tpu"])
 def test_sharded_jit_runs_the_pallas_kernels_partitioned(impl):
   """The partitioning rule with the Pallas kernels (interpreted): local rows, one all-reduce."""
   mesh = _mesh((8,), ("d",))

@@ -33,8 +33,3 @@ def unmask(outs, mask, finish):
   """Re-inserts None for masked outputs; ``finish[i]`` post-processes output i."""
   outs = list(outs)
   return tuple(finish[i](outs.pop(0)) if m else None for i, m in enumerate(mask))
-
-
-def present(*arrays):
-  """The operands that are not None (optional operands are left out of bind)."""
-  return [a for a in arrays if a is not None]

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_normgrad import _sharding, _validation as v
-from jax_normgrad.ops._common import as_f32, present, unmask
+from jax_normgrad._operands import GroupNormBwd, GroupNormFwd, pack
+from jax_normgrad.ops._common import as_f32, unmask
 from jax_normgrad.primitives.group_norm import group_norm_bwd_p, group_norm_fwd_p
 
 
@@ -49,12 +50,12 @@ def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation, y
 
   ``forward``: what lowers it (see ``_dispatch.choose``).
   """
+  args, operands = pack(GroupNormFwd(x.reshape(_canonical_shape(n, c, hw, channels_last)),
+                                     as_f32(weight, (1, c)), as_f32(bias, (1, c))))
   y, mean, rstd = _sharding.bind(
-      group_norm_fwd_p, x.reshape(_canonical_shape(n, c, hw, channels_last)),
-      *present(as_f32(weight, (1, c)), as_f32(bias, (1, c))), eps=eps, group=group,
-      channels_last=channels_last, has_weight=weight is not None, has_bias=bias is not None,
-      param_groups=1, y_dtype=y_dtype, activation=activation, implementation=implementation,
-      forward=forward)
+      group_norm_fwd_p, *args, operands=operands, eps=eps, group=group,
+      channels_last=channels_last, param_groups=1, y_dtype=y_dtype, activation=activation,
+      implementation=implementation, forward=forward)
   return y.reshape(x.shape), mean, rstd
 
 
@@ -67,11 +68,11 @@ def _bwd(dy, x, mean, rstd, gamma, n, c, hw, group, output_mask, channels_last, 
   """
   shape = _canonical_shape(n, c, hw, channels_last)
   beta = beta if activation is not None else None
+  args, operands = pack(GroupNormBwd(dy.reshape(shape), x.reshape(shape),
+                                     as_f32(mean, (n, group)), as_f32(rstd, (n, group)),
+                                     as_f32(gamma, (1, c)), as_f32(beta, (1, c))))
   outs = _sharding.bind(
-      group_norm_bwd_p, dy.reshape(shape), x.reshape(shape), as_f32(mean, (n, group)),
-      as_f32(rstd, (n, group)),
-      *present(as_f32(gamma, (1, c)), as_f32(beta, (1, c))), group=group,
-      channels_last=channels_last, has_gamma=gamma is not None, has_beta=beta is not None,
+      group_norm_bwd_p, *args, operands=operands, group=group, channels_last=channels_last,
       activation=activation, output_mask=output_mask, param_groups=1,
       implementation=implementation)
   return unmask(outs, output_mask, (lambda a: a.reshape(x.shape),

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_normgrad import _sharding, _validation as v
-from jax_normgrad.ops._common import F32, as_f32, kernel_params, present, unmask
+from jax_normgrad._operands import NormBwd, NormFwd, pack
+from jax_normgrad.ops._common import F32, as_f32, kernel_params, unmask
 from jax_normgrad.primitives.layer_norm import layer_norm_bwd_p, layer_norm_fwd_p
 
 
@@ -36,6 +37,10 @@ def _check_forward_args(x, normalized_shape, weight, bias):
   v.check_positive_size("normalized_shape", math.prod(norm_shape), "number of elements")
   weight, bias = _check_params(weight, bias, x, norm_shape)
   return x, norm_shape, weight, bias
+
+
+def _reshaped(a, shape):
+  return None if a is None else a.reshape(shape)
 
 
 def _rows_and_width(x, norm_ndim):
@@ -66,13 +71,13 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   # an empty placeholder to the sharding wrapper).
   lead_shape = x.shape[:lead] or (1,)
   rows = lead_shape + (h,)
-  extra = {} if residual is None else dict(has_residual=True, h_dtype=h_dtype)
+  weight, bias = kernel_params(weight, bias, (1, h), scale_offset)
+  args, operands = pack(NormFwd(x.reshape(rows), _reshaped(residual, rows), weight, bias))
   outs = list(_sharding.bind(
-      layer_norm_fwd_p, x.reshape(rows), *present(None if residual is None else residual.reshape(rows)),
-      *present(*kernel_params(weight, bias, (1, h), scale_offset)),
-      lead=len(lead_shape), eps=eps, centered=centered, has_weight=weight is not None, has_bias=bias is not None,
-      param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype, implementation=implementation,
-      forward=forward, **extra))
+      layer_norm_fwd_p, *args, lead=len(lead_shape), operands=operands, eps=eps,
+      centered=centered, param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype,
+      h_dtype=None if residual is None else h_dtype, implementation=implementation,
+      forward=forward))
   y = outs.pop(0).reshape(x.shape)
   mean = outs.pop(0).reshape(x.shape[:lead]) if centered else None
   rstd = outs.pop(0).reshape(x.shape[:lead])
@@ -104,19 +109,16 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   output_mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
   lead_shape = x.shape[:lead] or (1,)  # as in _fwd
   rows = lead_shape + (h,)
-  stats = [as_f32(mean, lead_shape)] if centered and not normalized else []
+  mean = as_f32(mean, lead_shape) if centered and not normalized else None
   # An unused rstd travels as an empty operand (the kernel checks it is one).
-  stats.append(jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, lead_shape))
-  extra = {} if dh is None else dict(has_dh=True)
-  if dx_dy:
-    extra["write_dx_dy"] = True
+  rstd = jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, lead_shape)
+  args, operands = pack(NormBwd(dy.reshape(rows), x.reshape(rows), mean, rstd,
+                                kernel_params(weight, None, (1, h), scale_offset)[0],
+                                _reshaped(dh, rows)))
   outs = _sharding.bind(
-      layer_norm_bwd_p, dy.reshape(rows), x.reshape(rows), *stats,
-      *present(kernel_params(weight, None, (1, h), scale_offset)[0]),
-      *present(None if dh is None else dh.reshape(rows)), lead=len(lead_shape),
-      centered=centered,
-      has_weight=weight is not None, output_mask=output_mask, param_groups=1,
-      normalized=normalized, write_xhat=write_xhat, implementation=implementation, **extra)
+      layer_norm_bwd_p, *args, lead=len(lead_shape), operands=operands, centered=centered,
+      output_mask=output_mask, param_groups=1, normalized=normalized, write_xhat=write_xhat,
+      write_dx_dy=dx_dy, implementation=implementation)
   to_x = lambda a: a.reshape(x.shape)
   to_param = lambda a: a.reshape(norm_shape)
   outs = list(outs)

@@ -296,7 +296,7 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   dy`` over the non-channel axis to float32 accumulators, stored once per
   program as its partial row. No atomics: the partials are summed later.
   The residual form adds h's cotangent ``dh`` to dx before its rounding
-  (loaded with x and dy where ``early_dh``, ``config.Tuning.gpu_bwd_early_dh``)
+  (loaded with x and dy where ``early_dh``, ``config.Trials.gpu_bwd_early_dh``)
   and adds the partials before computing dx, so that dy is dead when dx and
   dh take registers: its LayerNorm float32 tile of 4096 compiled to 86
   registers the other way round, 61 this way (two programs per SM instead of
@@ -391,12 +391,12 @@ def _param_grads(parts, mask, *, interpret: bool):
   The n (one or two) partial arrays are one operand, so both parameter
   gradients take one launch of ``_sum_partials``: launches, not bytes, are
   what a norm costs inside a model's step on the GPU (BENCHMARKS.md). With
-  ``gpu_partials_in_xla`` XLA sums them (``config.Tuning``).
+  ``gpu_partials_in_xla`` XLA sums them (``config.Trials``).
   """
   if parts is None:
     return (None, None)
   n, w, p, c = parts.shape
-  if config.current().gpu_partials_in_xla:
+  if config.trials().gpu_partials_in_xla:
     sums = iter(common.ordered_sum(parts, 2))
   else:
     sums = iter(_sum_partials(parts.reshape(n * w, p, c), interpret=interpret).reshape(n, w, c))
@@ -448,7 +448,7 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
       [_partials_shape(seg, launch.programs, mask)] if any(mask[1:]) else [])
   outs = list(launch.call(
       functools.partial(_bwd_kernel, launch=launch, mask=mask, has_dh=dh is not None,
-                        dx_dy=dx_dy, early_dh=config.current().gpu_bwd_early_dh, **flags),
+                        dx_dy=dx_dy, early_dh=config.trials().gpu_bwd_early_dh, **flags),
       out_shape, dy, x, mean, rstd, gamma, beta, c1, c2, dh, interpret=interpret,
       name="jax_normgrad_norm_bwd"))
   dx = outs.pop(0) if mask[0] else None

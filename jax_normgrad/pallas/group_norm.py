@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jax_normgrad.pallas import common, kernels
+from jax_normgrad._operands import GroupNormBwd, GroupNormFwd, unpack
 
 
 def _groups(x, group, channels_last, param_groups, activation):
@@ -11,24 +12,26 @@ def _groups(x, group, channels_last, param_groups, activation):
                          groups=group, param_groups=param_groups, activation=activation)
 
 
-def group_norm_fwd_problem(x, *params, group, channels_last, param_groups, y_dtype, activation,
-                           **unused) -> kernels.Problem:
+def group_norm_fwd_problem(*args, operands, group, channels_last, param_groups, y_dtype,
+                           activation, **unused) -> kernels.Problem:
   """The kernels' problem of ``group_norm_fwd`` with these operands (shapes and dtypes)."""
-  del params, unused
+  del unused
+  x = unpack(GroupNormFwd, args, operands).x
   return kernels.forward_problem(_groups(x, group, channels_last, param_groups, activation),
                                  x.dtype, size=x.size, y_dtype=y_dtype)
 
 
-def group_norm_bwd_problem(dy, x, *rest, group, channels_last, activation, output_mask,
+def group_norm_bwd_problem(*args, operands, group, channels_last, activation, output_mask,
                            param_groups, **unused) -> kernels.Problem:
   """The kernels' problem of ``group_norm_bwd`` with these operands (shapes and dtypes)."""
-  del dy, rest, unused
+  del unused
+  x = unpack(GroupNormBwd, args, operands).x
   return kernels.backward_problem(_groups(x, group, channels_last, param_groups, activation),
                                   x.dtype, tuple(output_mask), size=x.size)
 
 
-def group_norm_fwd(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups,
-                   y_dtype, activation, interpret, backend="triton"):
+def group_norm_fwd(*args, operands, eps, group, channels_last, param_groups, y_dtype, activation,
+                   interpret, backend="triton"):
   """``[y, mean, rstd]``, statistics ``(N, G)`` over each ``C/G * HW`` block, in float32.
 
   ``y = act((x - mean) * rstd * weight[c] + bias[c])`` in ``y_dtype`` (None:
@@ -36,23 +39,23 @@ def group_norm_fwd(x, *params, eps, group, channels_last, has_weight, has_bias, 
   layout, never transposed (see ``kernels.forward`` for a float32 y from a
   16-bit x).
   """
-  weight, bias = common.unpack(params, has_weight, has_bias)
+  x, weight, bias = unpack(GroupNormFwd, args, operands)
   seg = _groups(x, group, channels_last, param_groups, activation)
   return list(kernels.forward(seg, x, weight, bias, eps=eps, interpret=interpret,
                               y_dtype=y_dtype, backend=backend))
 
 
-def group_norm_bwd(dy, x, mean, rstd, *params, group, channels_last, has_gamma, has_beta,
-                   activation, output_mask, param_groups, interpret, backend="triton"):
-  """The ``output_mask``'ed of ``[dx, dgamma, dbeta]`` (see ``reference.group_norm_bwd``).
+def group_norm_bwd(*args, operands, group, channels_last, activation, output_mask, param_groups,
+                   interpret, backend="triton"):
+  """The ``output_mask``'ed of ``[dx, dweight, dbias]`` (see ``reference.group_norm_bwd``).
 
-  Per ``(n, g)`` block, ``g = dy * gamma[c]``:
+  Per ``(n, g)`` block, ``g = dy * weight[c]``:
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``;
-  ``dgamma[c] = sum_{n, hw} dy * xhat``, ``dbeta[c] = sum_{n, hw} dy``, float32;
-  with an ``activation``, ``dy * act'(xhat * gamma + beta)`` in place of dy.
+  ``dweight[c] = sum_{n, hw} dy * xhat``, ``dbias[c] = sum_{n, hw} dy``, float32;
+  with an ``activation``, ``dy * act'(xhat * weight + bias)`` in place of dy.
   """
-  gamma, beta = common.unpack(params, has_gamma, has_beta)
+  dy, x, mean, rstd, weight, bias = unpack(GroupNormBwd, args, operands)
   seg = _groups(x, group, channels_last, param_groups, activation)
-  outs = kernels.backward(seg, dy, x, mean, rstd, gamma, tuple(output_mask),
-                          interpret=interpret, backend=backend, beta=beta)
+  outs = kernels.backward(seg, dy, x, mean, rstd, weight, tuple(output_mask),
+                          interpret=interpret, backend=backend, bias=bias)
   return [o for o, m in zip(outs, output_mask) if m]

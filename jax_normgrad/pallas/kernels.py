@@ -214,14 +214,14 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
                   backend=backend, seg=seg, eps=eps, **narrow)
 
 
-def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
-             backend: str = "triton", beta=None, dh=None, dx_dy: bool = False):
-  """``(dx | None, dgamma | None, dbeta | None)`` for ``mask`` (three bools), [dx in dy's dtype].
+def backward(seg: Segments, dy, x, mean, rstd, weight, mask, *, interpret: bool,
+             backend: str = "triton", bias=None, dh=None, dx_dy: bool = False):
+  """``(dx | None, dweight | None, dbias | None)`` for ``mask`` (three bools), [dx in dy's dtype].
 
-  ``beta`` is read only with ``seg.activation`` (the kernels then take it
-  after gamma).
+  ``bias`` is read only with ``seg.activation`` (the kernels then take it
+  after the weight).
 
-  ``dx`` like x; ``dgamma``, ``dbeta`` of shape ``(param_groups, channels)``
+  ``dx`` like x; ``dweight``, ``dbias`` of shape ``(param_groups, channels)``
   float32. Empty inputs give an empty ``dx`` and zero parameter gradients.
   ``dy`` may be float32 with a 16-bit x (the backward of a float32 y), or
   16-bit with a float32 x (the residual form's float32 h). GPU kernel
@@ -243,11 +243,11 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
     return (jnp.zeros_like(x) if mask[0] else None,) + tuple(
         zeros if m else None for m in mask[1:]) + ((jnp.zeros_like(dy),) if dx_dy else ())
   x_dtype, dy_dtype = x.dtype, dy.dtype
-  if dh is not None:  # the residual form (rows; no activation, so no beta)
+  if dh is not None:  # the residual form (rows; no activation, so no bias)
     assert kernels.FUSES_RESIDUAL, kernels.__name__
-    operands = (dy, x, mean, rstd, gamma, None, dh)
+    operands = (dy, x, mean, rstd, weight, None, dh)
   else:
-    params = (gamma, beta) if seg.activation is not None else (gamma,)
+    params = (weight, bias) if seg.activation is not None else (weight,)
     operands = (dy, x, mean, rstd) + params
   # Whether the GPU kernels read dy and x in their own dtypes; the TPU
   # branch of ``dispatch`` takes the same operands and ``dx_dy`` (its kernels
@@ -258,8 +258,8 @@ def backward(seg: Segments, dy, x, mean, rstd, gamma, mask, *, interpret: bool,
   outs = dispatch(kernels.backward, tpu.backward, operands, interpret=interpret,
                   backend=backend, seg=seg, mask=tuple(mask),
                   **(dict(dx_dy=dx_dy) if mixed else {}))
-  dx, dgamma, dbeta = outs[:3]
+  dx, dweight, dbias = outs[:3]
   rest = ()
   if dx_dy:
     rest = (outs[3],) if mixed else (dx.astype(dy_dtype),)
-  return ((None if dx is None else dx.astype(x_dtype)), dgamma, dbeta) + rest
+  return ((None if dx is None else dx.astype(x_dtype)), dweight, dbias) + rest

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from jax_normgrad import reference
 from jax_normgrad.pallas import common, kernels
+from jax_normgrad._operands import NormBwd, NormFwd, unpack
 
 F32 = jnp.float32
 
@@ -27,24 +28,26 @@ def _mask(output_mask):
   return tuple(output_mask) + (False,) * (3 - len(output_mask))
 
 
-def layer_norm_fwd_problem(x, *params, centered, param_groups, y_dtype, has_residual=False,
-                           h_dtype=None, **unused) -> kernels.Problem:
+def layer_norm_fwd_problem(*args, operands, centered, param_groups, y_dtype, h_dtype=None,
+                           **unused) -> kernels.Problem:
   """The kernels' problem of ``layer_norm_fwd`` with these operands (shapes and dtypes)."""
   del unused
-  return kernels.forward_problem(_rows(x, centered, param_groups), x.dtype, size=x.size,
+  o = unpack(NormFwd, args, operands)
+  return kernels.forward_problem(_rows(o.x, centered, param_groups), o.x.dtype, size=o.x.size,
                                  y_dtype=y_dtype, h_dtype=h_dtype,
-                                 residual_dtype=params[0].dtype if has_residual else None)
+                                 residual_dtype=None if o.residual is None else o.residual.dtype)
 
 
-def layer_norm_bwd_problem(dy, x, *rest, centered, output_mask, param_groups, normalized,
-                           has_dh=False, **unused) -> kernels.Problem:
+def layer_norm_bwd_problem(*args, operands, centered, output_mask, param_groups, normalized,
+                           **unused) -> kernels.Problem:
   """The kernels' problem of ``layer_norm_bwd`` with these operands (shapes and dtypes)."""
-  del dy, unused
+  del unused
+  o = unpack(NormBwd, args, operands)
   mask = _mask(output_mask)
-  dh_dtype = rest[-1].dtype if has_dh and not normalized else None
-  return kernels.backward_problem(_rows(x, centered, param_groups),
-                                  _kernel_x_dtype(x.dtype, normalized, mask), mask, size=x.size,
-                                  dh_dtype=dh_dtype)
+  dh_dtype = o.dh.dtype if o.dh is not None and not normalized else None
+  return kernels.backward_problem(_rows(o.x, centered, param_groups),
+                                  _kernel_x_dtype(o.x.dtype, normalized, mask), mask,
+                                  size=o.x.size, dh_dtype=dh_dtype)
 
 
 def _xhat(x, mean, rstd):
@@ -60,23 +63,21 @@ def _xhat(x, mean, rstd):
   return (x32 * rstd[:, None]).astype(x.dtype)
 
 
-def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups, write_xhat,
-                   y_dtype, interpret, backend="triton", has_residual=False, h_dtype=None):
+def layer_norm_fwd(*args, operands, eps, centered, param_groups, write_xhat, y_dtype, interpret,
+                   backend="triton", h_dtype=None):
   """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``, then xhat if asked.
 
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
   ``rstd = 1 / sqrt(sum((x - mean)^2) / H + eps)``,
   ``y = (x - mean) * rstd * weight + bias``, in ``y_dtype`` (None: x's).
-  ``has_residual``: the first parameter operand is a residual (x's shape);
-  the kernels normalize the float32 sum ``x + residual`` tile by tile and
-  also write ``h`` (in ``h_dtype``), which follows the other outputs
-  (``write_xhat`` is refused with it: see the primitive).
+  With a ``residual`` (x's shape) the kernels normalize the float32 sum
+  ``x + residual`` tile by tile and also write ``h`` (in ``h_dtype``), which
+  follows the other outputs (``write_xhat`` is refused with it: see the
+  primitive).
   """
-  residual = None
-  if has_residual:
-    residual, *params = params
+  x, residual, weight, bias = unpack(NormFwd, args, operands)
   # The tiles compute in float32; 16-bit parameters are converted first.
-  weight, bias = map(reference.float32_or_none, common.unpack(params, has_weight, has_bias))
+  weight, bias = map(reference.float32_or_none, (weight, bias))
   seg = _rows(x, centered, param_groups)
   view = (seg.n, 1, seg.b)
   extra = {} if residual is None else dict(residual=residual.reshape(view), h_dtype=h_dtype)
@@ -90,9 +91,8 @@ def layer_norm_fwd(x, *params, eps, centered, has_weight, has_bias, param_groups
           + [a.reshape(x.shape) for a in h])
 
 
-def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups, normalized,
-                   write_xhat, interpret, backend="triton", has_dh=False,
-                   write_dx_dy=False):
+def layer_norm_bwd(*args, operands, centered, output_mask, param_groups, normalized, write_xhat,
+                   interpret, backend="triton", write_dx_dy=False):
   """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
 
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row (no
@@ -103,17 +103,13 @@ def layer_norm_bwd(dy, x, *rest, centered, has_weight, output_mask, param_groups
   dx is asked for, scales dx alone).
   The kernel then runs with mean 0 and rstd 1, which reproduces xhat
   exactly, and dx is scaled by rstd in an XLA fusion.
-  ``has_dh``: a last operand dh (x's shape) is added to dx in float32 before
-  dx's one rounding, in the kernels' output pass (in the XLA fusion that
+  ``dh`` (x's shape) is added to dx in float32 before dx's one rounding, in the kernels' output pass (in the XLA fusion that
   scales a ``normalized`` dx). ``write_dx_dy``: dx a second time, right
   after dx, rounded to dy's dtype (``kernels.backward``).
   """
-  dh = None
-  if has_dh:
-    *rest, dh = rest
+  dy, x, mean, rstd, weight, dh = unpack(NormBwd, args, operands)
   mask = _mask(output_mask)
   m = x.shape[0]
-  mean, rstd, weight = reference.split_ln_bwd_operands(rest, centered, has_weight, normalized)
   weight = reference.float32_or_none(weight)  # as in layer_norm_fwd
   kernel_rstd = rstd
   kx, kdy = x, dy

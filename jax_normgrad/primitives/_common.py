@@ -9,6 +9,7 @@ from jax.interpreters import ad, batching
 from jax.sharding import PartitionSpec
 
 from jax_normgrad import _compat, _dispatch, _settings, _sharding
+from jax_normgrad.pallas import config
 
 
 def make_primitive(name: str, abstract_eval, lowerings: _dispatch.Lowerings, *,
@@ -25,7 +26,7 @@ def make_primitive(name: str, abstract_eval, lowerings: _dispatch.Lowerings, *,
   "auto", see ``_dispatch.choose``): it picks the lowering and nothing
   else, so the abstract evaluation and the reference never see it.
   """
-  prim = Primitive(name)
+  prim = _Primitive(name)
   prim.multiple_results = True
   prim.def_abstract_eval(_with_varying_axes(abstract_eval))
   _dispatch.def_impl_via_jit(prim)
@@ -38,6 +39,20 @@ def make_primitive(name: str, abstract_eval, lowerings: _dispatch.Lowerings, *,
   return prim
 
 
+class _Primitive(Primitive):
+  """A primitive whose binds inside ``pallas.config.override`` carry its changes.
+
+  They travel as the static parameter ``tuning`` (absent outside an override),
+  which the lowering applies (``_dispatch.register_lowerings``): the tiles an op
+  is lowered with are part of the traced program, seen by jit's cache.
+  """
+
+  def bind(self, *args, **params):
+    if "tuning" not in params and (changes := config.traced_overrides()):
+      params["tuning"] = changes
+    return super().bind(*args, **params)
+
+
 def _with_varying_axes(abstract_eval):
   """Inside ``shard_map`` (``check_vma``) the results vary over the axes the operands vary over.
 
@@ -46,8 +61,8 @@ def _with_varying_axes(abstract_eval):
   the type the results take.
   """
 
-  def rule(*avals, forward="kernel", **params):
-    del forward  # which implementation lowers a forward primitive: no bearing on its results
+  def rule(*avals, forward="kernel", tuning=(), **params):
+    del forward, tuning  # how the primitive is lowered: no bearing on its results
     _settings.current()  # fixed at the first trace; raises if changed since
     outs = abstract_eval(*avals, **params)
     ref = avals[0] if avals else None
@@ -77,6 +92,7 @@ def _reference_jvp_rule(prim, reference_fn):
   def rule(primals, tangents, *, implementation, **params):
     primal_out = prim.bind(*primals, implementation=implementation, **params)
     params.pop("forward", None)  # a forward primitive's lowering choice, not the reference's
+    params.pop("tuning", None)
     live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
 
     def of_live(*live_args):

@@ -1,15 +1,16 @@
 """GroupNorm primitives: forward with statistics and backward, NCHW and channels-last.
 
-Canonical operands (see ``jax_normgrad.reference``): ``x``, ``dy`` of shape
+The operands, named by ``jax_normgrad._operands`` (``GroupNormFwd``,
+``GroupNormBwd``; canonical layouts: ``jax_normgrad.reference``): ``x``, ``dy`` of shape
 ``(N, C, HW)`` or, with ``channels_last``, ``(N, HW, C)``; ``mean``, ``rstd``
-of shape ``(N, G)`` float32; ``gamma``/``beta`` of shape ``(W, C)`` float32,
+of shape ``(N, G)`` float32; ``weight``/``bias`` of shape ``(W, C)`` float32,
 ``W = param_groups``. As for LayerNorm, the forward's ``y_dtype`` (None: x's
 dtype, or float32) is y's dtype, and ``dy`` is in x's dtype or float32.
 
 ``activation`` (None, "silu", "gelu", "relu"; ``jax_normgrad._activations``)
 fuses an activation: the forward's y is ``act(xhat * gamma + beta)``, and
-the backward's ``dy`` is the cotangent of that y; it reads beta as well
-(``has_beta``) to recompute the pre-activation value.
+the backward's ``dy`` is the cotangent of that y; it reads the bias as well
+to recompute the pre-activation value.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax_normgrad import _dispatch, _ffi, reference
 from jax_normgrad.pallas import group_norm as pallas_gn
 from jax_normgrad.primitives._common import make_primitive, shaped
-from jax_normgrad.primitives.layer_norm import _split_params
+from jax_normgrad._operands import GroupNormBwd, GroupNormFwd, unpack
 
 F32 = jnp.float32
 
@@ -30,31 +31,30 @@ def _channels(x, channels_last):
 
 
 # ----------------------------------------------------------------------------
-# Forward with statistics: (x, [weight], [bias]) -> (y, mean, rstd)
+# Forward with statistics: GroupNormFwd(x, [weight], [bias]) -> (y, mean, rstd)
 
 
-def _fwd_abstract(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups,
-                  y_dtype, activation, implementation):
-  del params, eps, channels_last, has_weight, has_bias, param_groups, activation, implementation
+def _fwd_abstract(*args, operands, eps, group, channels_last, param_groups, y_dtype, activation,
+                  implementation):
+  del eps, channels_last, param_groups, activation, implementation
+  x = unpack(GroupNormFwd, args, operands).x
   return [shaped(x.shape, y_dtype or x.dtype), shaped((x.shape[0], group), F32),
           shaped((x.shape[0], group), F32)]
 
 
-def _fwd_xla(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups, y_dtype,
-             activation):
-  weight, bias = _split_params(params, has_weight, has_bias)
-  return reference.group_norm_fwd(x, weight, bias, eps=eps, group=group,
+def _fwd_xla(*args, operands, eps, group, channels_last, param_groups, y_dtype, activation):
+  o = unpack(GroupNormFwd, args, operands)
+  return reference.group_norm_fwd(o.x, o.weight, o.bias, eps=eps, group=group,
                                   channels_last=channels_last, param_groups=param_groups,
                                   y_dtype=y_dtype, activation=activation)
 
 
-def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_groups, y_dtype,
-             activation):
-  weight, bias = _split_params(params, has_weight, has_bias)
+def _fwd_ffi(*args, operands, eps, group, channels_last, param_groups, y_dtype, activation):
+  x, weight, bias = unpack(GroupNormFwd, args, operands)
   stats = jax.ShapeDtypeStruct((x.shape[0], group), F32)
   y_type = jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype)
-  attrs = dict(group=group, param_groups=param_groups, has_weight=has_weight, has_bias=has_bias,
-               activation=_ffi.ACTIVATION_CODES[activation])
+  attrs = dict(group=group, param_groups=param_groups, has_weight=weight is not None,
+               has_bias=bias is not None, activation=_ffi.ACTIVATION_CODES[activation])
   if not channels_last:
     return list(_ffi.call("jax_normgrad_group_norm_fwd", [y_type, stats, stats], x, weight, bias,
                           eps=eps, channels_last=channels_last, **attrs))
@@ -70,18 +70,19 @@ def _fwd_ffi(x, *params, eps, group, channels_last, has_weight, has_bias, param_
 
 
 def _roles(channels_last):
-  """Axis names of (x, statistics, parameters) for the partitioning rule.
+  """Axis names of each operand for the partitioning rule.
 
   Samples "r", channels "c", spatial "s", groups "g", parameter rows "w".
   """
   x = ("r", "s", "c") if channels_last else ("r", "c", "s")
-  return x, ("r", "g"), ("w", "c")
+  return {"x": x, "dy": x, "mean": ("r", "g"), "rstd": ("r", "g"), "weight": ("w", "c"),
+          "bias": ("w", "c")}
 
 
-def _fwd_roles(n_in, *, channels_last, **params):
+def _fwd_roles(*, operands, channels_last, **params):
   del params
-  x, stats, param = _roles(channels_last)
-  return [x] + [param] * (n_in - 1), [x, stats, stats]
+  roles = _roles(channels_last)
+  return [roles[name] for name in operands], [roles["x"], roles["mean"], roles["rstd"]]
 
 
 group_norm_fwd_p = make_primitive(
@@ -91,46 +92,45 @@ group_norm_fwd_p = make_primitive(
 
 
 # ----------------------------------------------------------------------------
-# Backward: (dy, x, mean, rstd, [gamma], [beta]) -> the output_mask'ed of (dx, dgamma, dbeta)
+# Backward: GroupNormBwd(dy, x, mean, rstd, [weight], [bias]) -> the output_mask'ed of
+# (dx, dweight, dbias)
 
 
-def _bwd_abstract(dy, x, mean, rstd, *params, group, channels_last, has_gamma, has_beta,
-                  activation, output_mask, param_groups, implementation):
-  del dy, mean, rstd, params, group, has_gamma, has_beta, activation, implementation
+def _bwd_abstract(*args, operands, group, channels_last, activation, output_mask, param_groups,
+                  implementation):
+  del group, activation, implementation
+  x = unpack(GroupNormBwd, args, operands).x
   outs = [shaped(x.shape, x.dtype)] if output_mask[0] else []
   return outs + [shaped((param_groups, _channels(x, channels_last)), F32)] * sum(output_mask[1:])
 
 
-def _bwd_xla(dy, x, mean, rstd, *params, group, channels_last, has_gamma, has_beta, activation,
-             output_mask, param_groups):
-  return reference.group_norm_bwd(dy, x, mean, rstd, *params, group=group,
-                                  channels_last=channels_last, has_gamma=has_gamma,
-                                  has_beta=has_beta, activation=activation,
+def _bwd_xla(*args, operands, group, channels_last, activation, output_mask, param_groups):
+  return reference.group_norm_bwd(unpack(GroupNormBwd, args, operands), group=group,
+                                  channels_last=channels_last, activation=activation,
                                   output_mask=output_mask, param_groups=param_groups)
 
 
-def _bwd_ffi(dy, x, mean, rstd, *params, group, channels_last, has_gamma, has_beta, activation,
-             output_mask, param_groups):
-  gamma, beta = _split_params(params, has_gamma, has_beta)
+def _bwd_ffi(*args, operands, group, channels_last, activation, output_mask, param_groups):
+  dy, x, mean, rstd, weight, bias = unpack(GroupNormBwd, args, operands)
   c = _channels(x, channels_last)
   param_shape = (param_groups, c)
   out_types = [jax.ShapeDtypeStruct(x.shape if output_mask[0] else (0,), x.dtype),
                jax.ShapeDtypeStruct(param_shape if output_mask[1] else (0,), F32),
                jax.ShapeDtypeStruct(param_shape if output_mask[2] else (0,), F32)]
-  outs = _ffi.call("jax_normgrad_group_norm_bwd", out_types, dy, x, mean, rstd, gamma, beta,
+  outs = _ffi.call("jax_normgrad_group_norm_bwd", out_types, dy, x, mean, rstd, weight, bias,
                    group=group, param_groups=param_groups, channels_last=channels_last,
-                   has_gamma=has_gamma, has_beta=has_beta,
+                   has_gamma=weight is not None, has_beta=bias is not None,
                    activation=_ffi.ACTIVATION_CODES[activation],
                    compute_dx=output_mask[0], compute_dgamma=output_mask[1],
                    compute_dbeta=output_mask[2])
   return [o for o, m in zip(outs, output_mask) if m]
 
 
-def _bwd_roles(n_in, *, channels_last, has_gamma, has_beta, output_mask, **params):
-  del n_in, params
-  x, stats, param = _roles(channels_last)
-  return ([x, x, stats, stats] + [param] * (has_gamma + has_beta),
-          [x] * output_mask[0] + [param] * sum(output_mask[1:]))
+def _bwd_roles(*, operands, channels_last, output_mask, **params):
+  del params
+  roles = _roles(channels_last)
+  return ([roles[name] for name in operands],
+          [roles["x"]] * output_mask[0] + [roles["weight"]] * sum(output_mask[1:]))
 
 
 group_norm_bwd_p = make_primitive(
