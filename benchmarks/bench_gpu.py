@@ -6,7 +6,7 @@ package (on the project's GPU machine: ``pip install --no-build-isolation
 
     python benchmarks/bench_gpu.py                        # every row, JSON to benchmarks/recorded/
     python benchmarks/bench_gpu.py --out gpu.json --rounds 5 --iters 40
-    python benchmarks/bench_gpu.py --only ln              # the rows whose name has "ln"
+    python benchmarks/bench_gpu.py --only ln,rms          # the rows whose name has "ln" or "rms"
     python benchmarks/bench_gpu.py --no-peers             # without PyTorch, Liger-Kernel, tokamax
     pip install --no-deps --target /tmp/site .whl/*.whl   # Liger-Kernel, tokamax and its needs
     PYTHONPATH=/tmp/site python benchmarks/bench_gpu.py   # (torch and triton installed)
@@ -27,10 +27,11 @@ measures, in interleaved rounds within one process:
   (the JAX peer: its Triton kernels through jax-triton, ``implementation=
   "triton"``; on a CPU its XLA code) for the LayerNorm and RMSNorm rows
   (it has no GroupNorm): the forward as in training, ``jax.vjp`` of the
-  layer returning y and the statistics it keeps, and the backward alone (the pullback of
-  residuals computed once, as XLA's). The row's ``tokamax_kernel_calls``
-  counts the Triton calls in its forward's lowered module: 0 on a GPU would
-  mean it ran XLA's code, not its kernels;
+  layer returning y and the statistics it keeps, and the backward alone
+  (the pullback of residuals computed once, as XLA's). The row's
+  ``tokamax_kernel_calls`` counts the Triton calls in its forward's lowered
+  module: 0 on a GPU means it ran XLA's code, not its kernels (said on
+  stderr);
 * where they import, PyTorch's native layers (``torch.nn.functional.layer_norm``
   / ``rms_norm`` / ``group_norm``) and Liger-Kernel's (``LigerLayerNormFunction``,
   ``LigerRMSNormFunction`` with its default ``casting_mode="llama"`` and
@@ -357,7 +358,7 @@ class Peers:
 
 
 class Tokamax:
-  """tokamax's ``layer_norm`` (LayerNorm, and RMSNorm with ``subtract_mean=False``) where it imports.
+  """tokamax's ``layer_norm`` (LayerNorm; RMSNorm with ``subtract_mean=False``) where it imports.
 
   ``module``: a stand-in for the package (tests); else ``import tokamax``.
   ``info`` says what runs (version, implementation) or why not. On a GPU its
@@ -407,7 +408,11 @@ class Tokamax:
     try:
       f = self.layer(kind)
       fwd = jax.jit(forward)
-      self.kernel_calls = fwd.lower(x, *params).as_text().count(f"custom_call @{self.kernel_target}")
+      lowered = fwd.lower(x, *params).as_text()
+      self.kernel_calls = lowered.count(f"custom_call @{self.kernel_target}")
+      if self.implementation == "triton" and not self.kernel_calls:
+        print(f"note: tokamax's {kind} forward holds no {self.kernel_target} call: its column "
+              "times XLA's code", file=sys.stderr)
       bwd = _bench._pure_backward(f, (x, *params), dy)  # pylint: disable=protected-access
       m = min(x.size, CHECK_ELEMENTS)
       first = lambda a: np.asarray(a.reshape(-1)[:m].astype(jnp.float32))
@@ -587,7 +592,9 @@ def main(argv=None) -> int:
                       help="each sample: calls issued back to back for about this long, blocked "
                       "once (0: each call blocked and timed alone)")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU smoke test)")
-  parser.add_argument("--only", default="", help="run the rows whose name contains this text")
+  parser.add_argument("--only", default="",
+                      help="run the rows whose name (e.g. 'ln 32768x1024 bfloat16') contains "
+                           "this text, or one of these comma-separated texts")
   parser.add_argument("--gpu-backend", choices=_implementation.GPU_BACKENDS, default="triton",
                       help="the Pallas GPU backend of the package's kernels (sets "
                       f"{_implementation.GPU_BACKEND_ENV}; what Mosaic GPU cannot run, such as "
@@ -644,7 +651,7 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   for kind, shape, dtype in ([] if args.residual else SMOKE_ROWS if args.smoke else ROWS):
     name = f"{kind} {'x'.join(map(str, shape))} {jnp.dtype(dtype).name}"
-    if args.only and args.only not in name:
+    if args.only and not any(o in name for o in args.only.split(",") if o):
       continue
     t0 = time.perf_counter()
     row = measure(kind, shape, dtype, iters=args.iters, rounds=args.rounds,

@@ -142,9 +142,9 @@ MODELS = {
     "sd_unet": ("unet", {"full": UNetSize(8, 64, (320, 640, 1280), 2, 32, in_channels=4),
                          "quick": UNetSize(2, 8, (20, 40), 1, 2, in_channels=4)}),
     "gpt2": ("transformer", {"full": TransformerSize(16, 1024, 768, 12, 12, causal=True),
-                             "quick": TransformerSize(2, 16, 24, 2, 2, causal=True)}),
+                             "quick": TransformerSize(2, 16, 24, 2, 1, causal=True)}),
     "dit_b": ("transformer", {"full": TransformerSize(64, 256, 768, 12, 12),
-                              "quick": TransformerSize(2, 16, 24, 2, 2)}),
+                              "quick": TransformerSize(2, 16, 24, 2, 1)}),
 }
 #: ``--model`` names for several: the small (launch-bound) pair and the sizes people train.
 MODEL_GROUPS = {"all": ("unet", "transformer"), "realistic": ("sd_unet", "gpt2", "dit_b")}
@@ -607,6 +607,9 @@ def print_row(row: dict):
     saves = row.get(f"{v}_saves")
     extra = (f"  {row[f'{v}_vs_flax']:.3f}x flax's, saves {100 * saves:5.1f}% of the norm time"
              if saves is not None else "")
+    if v not in BASELINES:  # a wrong kernel shows here first
+      lf = row["flax_loss"]
+      extra += f"; loss {abs(row[f'{v}_loss'] - lf) / max(abs(lf), 1e-30):.1e} from flax's"
     if f"{v}_saves_vs_affine" in row:
       extra += f" ({100 * row[f'{v}_saves_vs_affine']:.1f}% against affine)"
     for suffix, base in SAVINGS_BASES:
