@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_normgrad as jn
 from jax_normgrad import _bench
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -491,6 +492,31 @@ def test_bench_models_realistic_sizes_are_the_issues():
     assert 84e6 < bm.count_params(params) < 86e6, name  # 12 blocks of 768, no embeddings
     assert sum("LayerNorm" in jax.tree_util.keystr(k) for k, _ in
                jax.tree_util.tree_flatten_with_path(params)[0]) == 2 * 25  # scale and bias
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_realistic_model_norms_lower_for_cuda(dtype):
+  """The realistic models' norms lower to the Triton kernels for cuda (no GPU here): the SD-class
+  UNet's GroupNorm + SiLU at each level (10, 20 and 40 channels per group) and the
+  transformers' residual add + LayerNorm over 16384 rows of 768, forward and backward."""
+  bm = _load_script("bench_models.py")
+  sd, gpt2 = bm.MODELS["sd_unet"][1]["full"], bm.MODELS["gpt2"][1]["full"]
+  sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype)
+  check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  f32 = lambda t: jnp.sum(t.astype(jnp.float32))
+  gn = jax.grad(lambda x, w, b: f32(jn.group_norm(x, sd.groups, w, b, channel_axis=-1,
+                                                  activation="silu")), argnums=(0, 1, 2))
+  add_ln = jax.grad(lambda x, r, w, b: sum(map(f32, jn.add_layer_norm(x, r, w, b))),
+                    argnums=(0, 1, 2, 3))
+  rows = gpt2.batch * gpt2.tokens
+  cases_ = [(gn, (sds((sd.batch, sd.side >> i, sd.side >> i, c)), sds((c,)), sds((c,))))
+            for i, c in enumerate(sd.channels)]
+  cases_.append((add_ln, (sds((rows, gpt2.width)), sds((rows, gpt2.width)), sds((gpt2.width,)),
+                          sds((gpt2.width,)))))
+  for f, args in cases_:
+    text = cases.export_for("cuda", jax.jit(f), args, disabled_checks=check).mlir_module()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") >= 3, args  # forward, backward, sums
+    assert "custom_call @jax_normgrad_" not in text  # no CPU kernel
 
 
 def test_bench_models_main_runs_the_realistic_models(tmp_path, monkeypatch):
