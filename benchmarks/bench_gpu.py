@@ -1,4 +1,4 @@
-"""GPU benchmark: jax_normgrad's kernels against XLA, PyTorch and Liger-Kernel, over the copy roof.
+"""GPU benchmark: jax_normgrad's kernels against XLA, PyTorch, Liger-Kernel and tokamax, over the copy roof.
 
 Run from the repository root on a machine with a GPU, after installing the
 package (on the project's GPU machine: ``pip install --no-build-isolation
@@ -6,9 +6,9 @@ package (on the project's GPU machine: ``pip install --no-build-isolation
 
     python benchmarks/bench_gpu.py                        # every row, JSON to benchmarks/recorded/
     python benchmarks/bench_gpu.py --out gpu.json --rounds 5 --iters 40
-    python benchmarks/bench_gpu.py --only ln              # the rows whose name has "ln"
-    python benchmarks/bench_gpu.py --no-peers             # without PyTorch and Liger-Kernel
-    pip install --no-deps --target /tmp/site liger_kernel-0.8.5-py3-none-any.whl  # Liger-Kernel
+    python benchmarks/bench_gpu.py --only ln,rms          # the rows whose name has "ln" or "rms"
+    python benchmarks/bench_gpu.py --no-peers             # without PyTorch, Liger-Kernel, tokamax
+    pip install --no-deps --target /tmp/site .whl/*.whl   # Liger-Kernel, tokamax and its needs
     PYTHONPATH=/tmp/site python benchmarks/bench_gpu.py   # (torch and triton installed)
     python benchmarks/bench_gpu.py --gpu-backend mosaic_gpu   # the Mosaic GPU kernels (sm_90+)
     python benchmarks/bench_gpu.py --residual             # add_layer_norm / add_rms_norm, pre-norm stack
@@ -22,6 +22,16 @@ measures, in interleaved rounds within one process:
   equivalents: the kernels alone) and of XLA (the jitted jnp layer; its
   autodiff pullback with the residuals computed once);
 * ``jax.grad`` of each layer (forward + backward, as in training);
+* where it imports (Python 3.12+, jax 0.11.1+; ``benchmarks/gpu_wheels.sh`` fetches it
+  and what it needs that the GPU machine lacks), tokamax's ``layer_norm``
+  (the JAX peer: its Triton kernels through jax-triton, ``implementation=
+  "triton"``; on a CPU its XLA code) for the LayerNorm and RMSNorm rows
+  (it has no GroupNorm): the forward as in training, ``jax.vjp`` of the
+  layer returning y and the statistics it keeps, and the backward alone
+  (the pullback of residuals computed once, as XLA's). The row's
+  ``tokamax_kernel_calls`` counts the Triton calls in its forward's lowered
+  module: 0 on a GPU means it ran XLA's code, not its kernels (said on
+  stderr);
 * where they import, PyTorch's native layers (``torch.nn.functional.layer_norm``
   / ``rms_norm`` / ``group_norm``) and Liger-Kernel's (``LigerLayerNormFunction``,
   ``LigerRMSNormFunction`` with its default ``casting_mode="llama"`` and
@@ -83,7 +93,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax_normgrad import _bench, _implementation
+from jax_normgrad import _bench, _settings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_lib  # noqa: E402  (the sibling module: the residual and stack workloads)
@@ -106,8 +116,8 @@ ROWS = [
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("rms", (16, 72), jnp.bfloat16),
               ("gn", (2, 6, 3, 5, 3), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.bfloat16)]
 VARIANTS = ("fwd", "bwd", "grad")
-#: Whose forward and backward are timed: this package, XLA, PyTorch, Liger-Kernel.
-WHO = ("ours", "xla", "torch", "liger")
+#: Whose forward and backward are timed: this package, XLA, PyTorch, Liger-Kernel, tokamax.
+WHO = ("ours", "xla", "torch", "liger", "tokamax")
 #: The Pallas copy's (bytes per program, warps) tried at each size: 64 or 128 bytes a thread.
 PALLAS_COPY_CONFIGS = ((8192, 4), (16384, 4), (32768, 8), (65536, 16))
 SMOKE_PALLAS_COPY_CONFIGS = ((256, 4), (1024, 4))  # 1024: a masked last block in every smoke row
@@ -344,12 +354,81 @@ class Peers:
 
 
 # ----------------------------------------------------------------------------
+# tokamax's normalization on the same data.
+
+
+class Tokamax:
+  """tokamax's ``layer_norm`` (LayerNorm; RMSNorm with ``subtract_mean=False``) where it imports.
+
+  ``module``: a stand-in for the package (tests); else ``import tokamax``.
+  ``info`` says what runs (version, implementation) or why not. On a GPU its
+  Triton implementation, elsewhere its XLA one (the column then times no
+  kernel of its own).
+  """
+
+  def __init__(self, platform: str, enabled: bool = True, module=None):
+    self.tokamax = None
+    self.info = {"tokamax": None}
+    if not enabled:
+      self.info["absent"] = "--no-peers"
+      return
+    if module is None:
+      try:
+        import tokamax as module  # pylint: disable=g-import-not-at-top
+      except Exception as e:  # ImportError, or what its import raises with another jax
+        self.info["absent"] = f"tokamax: {_error(e)}"
+        return
+    self.tokamax = module
+    self.implementation = "triton" if platform == "gpu" else "xla"
+    target = getattr(sys.modules.get("jax_triton"), "CUSTOM_CALL_TARGET_NAME", None)
+    self.kernel_target = target or "triton_kernel_call"
+    self.info["tokamax"] = {"version": getattr(module, "__version__", "?"),
+                            "implementation": self.implementation}
+
+  def layer(self, kind: str):
+    """The row's layer ``f(x, *params)``, as the JAX rows set it (eps 1e-5 and 1e-6)."""
+    impl, norm = self.implementation, self.tokamax.layer_norm
+    if kind == "ln":
+      return lambda x, w, b: norm(x, w, b, epsilon=1e-5, implementation=impl)
+    return lambda x, w: norm(x, w, None, epsilon=1e-6, subtract_mean=False, implementation=impl)
+
+  def variants(self, kind: str, wl: _bench.Workload) -> tuple[dict, dict, dict]:
+    """As :meth:`Peers.variants`: ``fwd_tokamax`` and ``bwd_tokamax``, their first elements of
+    y and dx, and their errors (a GroupNorm row: none of the three)."""
+    if kind not in ("ln", "rms"):
+      return {}, {}, {}
+    x, *params = wl.xla_fwd[1]
+    dy = wl.ours_bwd[1][0]
+    stats = x.shape[:-1] + (1,)
+
+    def forward(*args):  # y and the statistics kept (returning x or y again would copy them)
+      y, vjp = jax.vjp(f, *args)
+      return y, [r for r in jax.tree.leaves(vjp) if r.shape == stats]
+
+    try:
+      f = self.layer(kind)
+      fwd = jax.jit(forward)
+      lowered = fwd.lower(x, *params).as_text()
+      self.kernel_calls = lowered.count(f"custom_call @{self.kernel_target}")
+      if self.implementation == "triton" and not self.kernel_calls:
+        print(f"note: tokamax's {kind} forward holds no {self.kernel_target} call: its column "
+              "times XLA's code", file=sys.stderr)
+      bwd = _bench._pure_backward(f, (x, *params), dy)  # pylint: disable=protected-access
+      m = min(x.size, CHECK_ELEMENTS)
+      first = lambda a: np.asarray(a.reshape(-1)[:m].astype(jnp.float32))
+      outputs = {"fwd_tokamax": first(fwd(x, *params)[0]), "bwd_tokamax": first(bwd[0](*bwd[1])[0])}
+    except Exception as e:  # a shape or dtype it refuses, a kernel that fails
+      return {}, {}, {"fwd_tokamax": _error(e), "bwd_tokamax": _error(e)}
+    return ({"fwd_tokamax": (fwd, (x, *params), None), "bwd_tokamax": (*bwd, None)}, outputs, {})
+
+
+# ----------------------------------------------------------------------------
 # A row.
 
 
 def measure(kind: str, shape: tuple, dtype, *, iters: int, rounds: int, batch_ms: float = 0.0,
             peers: Peers | None = None, pallas_configs=PALLAS_COPY_CONFIGS,
-            tuned: dict | None = None) -> dict:
+            tuned: dict | None = None, tokamax: Tokamax | None = None) -> dict:
   """One row: medians over ``rounds`` interleaved rounds of ``iters / rounds`` samples each.
 
   ``tuned`` caches the Pallas copy's tuning by size and dtype across rows.
@@ -384,6 +463,11 @@ def measure(kind: str, shape: tuple, dtype, *, iters: int, rounds: int, batch_ms
     more, outputs, peer_errors = peers.variants(kind, shape, wl)
     variants.update(more)
     errors.update(peer_errors)
+  if tokamax is not None and tokamax.tokamax is not None:
+    more, tok_outputs, tok_errors = tokamax.variants(kind, wl)
+    variants.update(more)
+    outputs.update(tok_outputs)
+    errors.update(tok_errors)
   per_round = max(1, -(-iters // rounds))
   samples: dict[str, list[float]] = {}
   for r in range(rounds):
@@ -423,6 +507,8 @@ def measure(kind: str, shape: tuple, dtype, *, iters: int, rounds: int, batch_ms
     row[f"{v}_fastest"] = min(timed, key=timed.get)
     # The best other's time over ours: > 1, ours ahead of all.
     row[f"{v}_ours_vs_best_other"] = min(t for w, t in timed.items() if w != "ours") / timed["ours"]
+  if "fwd_tokamax" in ms:
+    row["tokamax_kernel_calls"] = tokamax.kernel_calls
   if outputs:  # the peers computed the same function on the same inputs
     m = min(x.size, CHECK_ELEMENTS)
     ours = {"fwd": wl.ours_fwd[0](*wl.ours_fwd[1])[0], "bwd": wl.ours_bwd[0](*wl.ours_bwd[1])[0]}
@@ -447,11 +533,12 @@ def _cell(r: dict, v: str, who: str) -> str:
 
 def print_table(rows: list[dict], out=sys.stdout) -> None:
   """A table per pass: each one's ms, TB/s and share of the roof; the fastest; jax.grad."""
-  names = {"ours": "ours", "xla": "XLA", "torch": "torch", "liger": "Liger"}
+  names = {"ours": "ours", "xla": "XLA", "torch": "torch", "liger": "Liger",
+           "tokamax": "tokamax"}
   for v, title in (("fwd", "forward"), ("bwd", "backward")):
     print(f"\n{title}: ms, TB/s, share of the roof (the fastest copy of x's bytes); fastest "
           "(the best other's time over ours: > 1, ours ahead)", file=out)
-    head = ("| row | roof TB/s | ours | XLA | torch | Liger | fastest |"
+    head = ("| row | roof TB/s | ours | XLA | torch | Liger | tokamax | fastest |"
             + (" jax.grad ours / XLA ms |" if v == "bwd" else ""))
     print(head, file=out)
     print("|" + " --- |" * (head.count("|") - 1), file=out)
@@ -505,18 +592,22 @@ def main(argv=None) -> int:
                       help="each sample: calls issued back to back for about this long, blocked "
                       "once (0: each call blocked and timed alone)")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU smoke test)")
-  parser.add_argument("--only", default="", help="run the rows whose name contains this text")
-  parser.add_argument("--gpu-backend", choices=_implementation.GPU_BACKENDS, default="triton",
+  parser.add_argument("--only", default="",
+                      help="run the rows whose name (e.g. 'ln 32768x1024 bfloat16') contains "
+                           "this text, or one of these comma-separated texts")
+  parser.add_argument("--gpu-backend", choices=_settings.CHOICES[_settings.GPU_BACKEND_ENV],
+                      default="triton",
                       help="the Pallas GPU backend of the package's kernels (sets "
-                      f"{_implementation.GPU_BACKEND_ENV}; what Mosaic GPU cannot run, such as "
+                      f"{_settings.GPU_BACKEND_ENV}; what Mosaic GPU cannot run, such as "
                       "channels-last GroupNorm past ~25K channels, Triton runs with a "
                       "FallbackWarning)")
   parser.add_argument("--residual", action="store_true",
                       help="the fused residual form's rows and the pre-norm stack's step instead")
   parser.add_argument("--no-peers", action="store_true",
-                      help="without PyTorch's and Liger-Kernel's columns (and torch's clone)")
+                      help="without PyTorch's, Liger-Kernel's and tokamax's columns (and torch's "
+                      "clone)")
   args = parser.parse_args(argv)
-  os.environ[_implementation.GPU_BACKEND_ENV] = args.gpu_backend
+  os.environ[_settings.GPU_BACKEND_ENV] = args.gpu_backend
   if jax.default_backend() != "gpu" and not args.smoke:
     print(f"note: no GPU ({jax.default_backend()}); these are not GPU figures", file=sys.stderr)
   info = machine()
@@ -528,11 +619,18 @@ def main(argv=None) -> int:
   out.parent.mkdir(parents=True, exist_ok=True)
   rows, versions = [], _bench.versions()
   peers = None if args.residual else Peers(jax.default_backend(), enabled=not args.no_peers)
-  extra = {}
+  tok = None if args.residual else Tokamax(jax.default_backend(), enabled=not args.no_peers)
+  extra = {"commit": bench_lib.commit(), "gpu_backend_run": bench_lib.gpu_backend()}
   if peers is not None:
     versions.update(peers.versions())
-    extra["peers"] = peers.info
-    print(f"peers: {json.dumps(peers.info)}", file=sys.stderr)
+    if tok.info["tokamax"]:
+      versions["tokamax"] = tok.info["tokamax"]["version"]
+    extra["peers"] = {**peers.info, "tokamax": tok.info["tokamax"]}
+    if "absent" in tok.info:
+      extra["peers"]["tokamax_absent"] = tok.info["absent"]
+    print(f"peers: {json.dumps(extra['peers'])}", file=sys.stderr)
+    if tok.tokamax is None:
+      print(f"note: no tokamax column ({tok.info['absent']})", file=sys.stderr)
 
   def save():  # after every row: a run cut short keeps what it measured
     out.write_text(json.dumps({"date": date, "machine": info, "versions": versions,
@@ -554,11 +652,11 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   for kind, shape, dtype in ([] if args.residual else SMOKE_ROWS if args.smoke else ROWS):
     name = f"{kind} {'x'.join(map(str, shape))} {jnp.dtype(dtype).name}"
-    if args.only and args.only not in name:
+    if args.only and not any(o in name for o in args.only.split(",") if o):
       continue
     t0 = time.perf_counter()
     row = measure(kind, shape, dtype, iters=args.iters, rounds=args.rounds,
-                  batch_ms=args.batch_ms, peers=peers, tuned=tuned,
+                  batch_ms=args.batch_ms, peers=peers, tuned=tuned, tokamax=tok,
                   pallas_configs=SMOKE_PALLAS_COPY_CONFIGS if args.smoke else PALLAS_COPY_CONFIGS)
     peers.release()
     rows.append(row)

@@ -1,21 +1,30 @@
 """The benchmarks' heavier workloads and profile parsing, beside the scripts that use them.
 
 The fused residual form's comparisons (``add_layer_norm`` / ``add_rms_norm`` against the
-unfused pair and XLA, and a pre-norm MLP stack's training step) and the ``jax.profiler``
-trace parsing (op and kernel times of a compiled step). The package keeps what its command
-line needs (``jax_normgrad._bench``: the timing loop, the op workloads, the versions); these
-are for ``bench_cpu.py``, ``bench_gpu.py``, ``bench_models.py``, ``gpu_sweep.py`` and
-``gpu_trace.py``, which import this module as their sibling.
+unfused pair and XLA, and a pre-norm MLP stack's training step), the ``jax.profiler``
+trace parsing (op and kernel times of a compiled step; several steps in one trace), the
+one way the benchmarks change the kernels' tuning (:func:`tuning`) and what a run records
+of itself (:func:`run_info`: device, GPU backend, versions, commit). The package keeps what
+its command line needs (``jax_normgrad._bench``: the timing loop, the op workloads, the
+versions); these are for ``bench_cpu.py``, ``bench_gpu.py``, ``bench_models.py``,
+``gpu_sweep.py``, ``gpu_trace.py`` and ``gpu_mosaic_probe.py``, which import this module as
+their sibling.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import datetime
 import glob
 import gzip
 import json
 import os
+import pathlib
 import re
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -24,7 +33,80 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_normgrad as jn
+from jax_normgrad import _bench
 from jax_normgrad._bench import call_times_ms, jnp_layer_norm, jnp_rms_norm
+
+
+# ----------------------------------------------------------------------------
+# The kernels' tuning, and what a run records of itself.
+
+
+@contextlib.contextmanager
+def tuning(**changes):
+  """The package's kernel tuning with ``changes`` in force while the block traces and lowers.
+
+  The one place the benchmarks change a tuning (``bench_models``' ``base@key=value``
+  variants, ``gpu_sweep``'s configurations, ``gpu_mosaic_probe``'s stages):
+  ``jax_normgrad.pallas.config.override`` (keys: ``config.KEYS``), whose changes the ops
+  traced inside the block carry into their lowering.
+  """
+  from jax_normgrad.pallas import config  # pylint: disable=g-import-not-at-top
+  with config.override(**changes):
+    yield
+
+
+def commit() -> str | None:
+  """The commit measured: ``JNG_COMMIT`` where set (the GPU machine gets the tree without its
+  git directory), else git's HEAD here, ``-dirty`` with uncommitted changes; None if neither."""
+  if os.environ.get("JNG_COMMIT"):
+    return os.environ["JNG_COMMIT"]
+  git = ["git", "-C", str(pathlib.Path(__file__).resolve().parent)]
+  try:
+    head = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, timeout=20)
+    if head.returncode:
+      return None
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=20).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def gpu_backend() -> str | None:
+  """The Pallas GPU backend the package's kernels lower to on this machine; None off a GPU."""
+  if jax.default_backend() != "gpu":
+    return None
+  from jax_normgrad import _dispatch  # pylint: disable=g-import-not-at-top
+  return _dispatch.default_choices()["jax_normgrad_layer_norm_fwd"].implementation
+
+
+def run_info() -> dict:
+  """What a benchmark's JSON says of its run: the date, device, GPU backend, commit, command
+  line and versions (``_bench.versions``: jax, jaxlib, the package, ...)."""
+  dev = jax.devices()[0]
+  return {"date": datetime.date.today().isoformat(),
+          "device": f"{dev.platform}: {getattr(dev, 'device_kind', '?')}",
+          "gpu_backend": gpu_backend(), "commit": commit(), "command": " ".join(sys.argv),
+          **_bench.versions()}
+
+
+def custom_calls(lowered_text: str) -> int:
+  """How many of this package's kernel calls a step's lowered text holds: the CPU custom calls
+  (``@jax_normgrad_...``) and, on a GPU or TPU, the Pallas kernels' calls, which name them."""
+  return sum(1 for line in lowered_text.splitlines()
+             if "custom_call" in line and "jax_normgrad_" in line)
+
+
+def kernel_targets(lowered_text: str) -> dict[str, int]:
+  """The custom-call targets of this package's kernel calls in a lowered module, counted: the
+  CPU kernels' own names; on a GPU the Pallas calls' (Triton's or Mosaic GPU's)."""
+  found = collections.Counter()
+  for line in lowered_text.splitlines():
+    if "custom_call" in line and "jax_normgrad_" in line:
+      m = re.search(r"custom_call @([\w$.\-]+)|custom_call_target=\"([^\"]+)\"", line)
+      found[next(g for g in m.groups() if g) if m else "?"] += 1
+  return dict(found)
 
 
 # ----------------------------------------------------------------------------
@@ -261,6 +343,15 @@ def step_op_ms(step, args, calls: int = 5, top: int = 0, hlo_text: str | None = 
   names, matmuls = op_names(hlo_text if hlo_text is not None
                              else step.lower(*args).compile().as_text())
   events = trace_events(step, args, calls)
+  out = _op_summary(events, names, matmuls, calls, top)
+  out.pop("busy", None)
+  return out
+
+
+def _op_summary(events: list[dict], names: set[str], matmuls: set[str], calls: int,
+                top: int = 0) -> dict:
+  """:func:`step_op_ms`'s summary of one step's events (``calls`` calls); also ``busy``, the
+  time (ms per call) some op ran: the union of the ops' intervals."""
   gpus = bool(_gpu_pids(events))
   # Python frames, runtime spans: a CPU's op events are named by their instruction.
   per_kernel, launches = kernel_totals(events, names)
@@ -268,8 +359,15 @@ def step_op_ms(step, args, calls: int = 5, top: int = 0, hlo_text: str | None = 
   is_matmul = (lambda k: GPU_MATMUL_KERNEL.search(k)) if gpus else (lambda k: k in matmuls)
   matmul = sum(t for k, t in per_kernel.items() if is_matmul(k))
   norm = sum(t for k, t in per_kernel.items() if k.startswith(GPU_NORM_KERNEL))
+  devices = _gpu_pids(events)
+  spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and (
+      e["pid"] in devices if devices else e.get("name") in names))
+  busy, end = 0.0, float("-inf")
+  for t0, t1 in spans:  # the union of the intervals
+    busy += max(0.0, t1 - max(t0, end))
+    end = max(end, t1)
   out = {"ops": ops / calls / 1e3, "matmul": matmul / calls / 1e3,
-         "other": (ops - matmul) / calls / 1e3}
+         "other": (ops - matmul) / calls / 1e3, "busy": busy / calls / 1e3}
   if gpus:
     out["norm"] = norm / calls / 1e3
     out["launches"] = sum(launches.values()) / calls
@@ -277,6 +375,86 @@ def step_op_ms(step, args, calls: int = 5, top: int = 0, hlo_text: str | None = 
     out["kernels"] = [[k, round(v / calls, 2), launches[k] / calls]
                       for k, v in per_kernel.most_common(top)] if gpus else []
   return out
+
+
+#: The trace annotation around each step of :func:`trace_steps` (its name follows).
+STEP_ANNOTATION = "jax_normgrad_bench:"
+
+
+def trace_steps(steps: dict, calls: int = 2, top: int = 0, save_to=None) -> dict:
+  """Several compiled steps in one ``jax.profiler`` trace, each summarized as :func:`step_op_ms`.
+
+  ``steps``: ``{name: (compiled step, args, compiled module's text)}``.
+  Each step's ``calls`` calls (after one untimed) run in turn, each step's
+  inside a trace annotation (``STEP_ANNOTATION`` + name); an op belongs to
+  the step whose annotation holds its start (the device's kernels run
+  inside it: each call is blocked). Returns ``{name: summary}``, the summary
+  as :func:`step_op_ms`'s with ``busy`` (ms per call some op ran) and
+  ``span`` (the annotation's time per call: the step's wall time as traced,
+  host dispatch included), so ``span - busy`` is the time the device (a
+  CPU: every thread) ran none of the step's ops. ``save_to``: a path the
+  trace (``.trace.json.gz``, for Perfetto or TensorBoard) is copied to.
+  """
+  for fn, args, _ in steps.values():
+    jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for name, (fn, args, _) in steps.items():
+        with jax.profiler.TraceAnnotation(STEP_ANNOTATION + name):
+          for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    path, = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
+    if save_to is not None:
+      pathlib.Path(save_to).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copyfile(path, save_to)
+    with gzip.open(path) as f:
+      events = json.load(f)["traceEvents"]
+  # The trace names an annotation by its text after the last ":", args.long_name in full.
+  long_name = lambda e: str((e.get("args") or {}).get("long_name", e.get("name", "")))
+  windows = {long_name(e)[len(STEP_ANNOTATION):]: (e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("ph") == "X" and long_name(e).startswith(STEP_ANNOTATION)}
+  out = {}
+  for name, (_, _, hlo_text) in steps.items():
+    if name not in windows:
+      raise RuntimeError(f"trace_steps: no annotation of {name!r} in the trace")
+    t0, t1 = windows[name]
+    inside = [e for e in events if e.get("ph") != "X" or t0 <= e.get("ts", t0 - 1) <= t1]
+    names, matmuls = op_names(hlo_text)
+    out[name] = _op_summary(inside, names, matmuls, calls, top)
+    out[name]["span"] = (t1 - t0) / calls / 1e3
+  return out
+
+
+def saves_interval(flax_rounds, variant_rounds, base_rounds, level: float = 0.9,
+                   draws: int = 4000, seed: int = 0) -> tuple[float, float, float] | None:
+  """The share of the norm time a variant saves, from paired rounds, and its interval.
+
+  Each argument holds one median step time (ms) per round, for flax's
+  layers, the variant and the norm-free baseline. The estimate is
+  ``median_r(flax_r - variant_r) / median_r(flax_r - base_r)``: each
+  round's differences are taken between steps of the same round, so a
+  slow spell of the machine that lasts the round moves its variants alike
+  and cancels (one shorter than a round does not). The interval resamples the rounds (percentile
+  bootstrap, ``draws`` resamples with a fixed seed: the same rounds give
+  the same interval). Returns ``(estimate, low, high)``, or None with
+  fewer than 3 rounds or a norm time whose median is not positive.
+  """
+  f, v, b = (np.asarray(a, dtype=np.float64) for a in (flax_rounds, variant_rounds, base_rounds))
+  if not (len(f) == len(v) == len(b)):
+    raise ValueError(f"rounds: flax, variant and base must have one time per round each, got "
+                     f"{len(f)}, {len(v)} and {len(b)}")
+  saved, norm = f - v, f - b
+  if len(f) < 3 or np.median(norm) <= 0:
+    return None
+  idx = np.random.default_rng(seed).integers(0, len(f), size=(draws, len(f)))
+  num, den = np.median(saved[idx], axis=1), np.median(norm[idx], axis=1)
+  # A resample whose norm time is not positive resolves no share: +-inf by the sign of the saving.
+  with np.errstate(divide="ignore", invalid="ignore"):
+    ratios = np.where(den > 0, num / den, np.copysign(np.inf, num))
+  tail = 100 * (1 - level) / 2
+  low = np.percentile(ratios, tail, method="inverted_cdf")  # resampled values, none interpolated
+  high = np.percentile(ratios, 100 - tail, method="inverted_cdf")
+  return float(np.median(saved) / np.median(norm)), float(low), float(high)
 
 
 def measure_stack(dtype, iters, rounds=3, settle_s=0.0, layers=4, hidden=1024, ffn=256,

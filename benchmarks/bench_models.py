@@ -1,15 +1,17 @@
-"""CPU benchmark: the norms inside small models, one jitted training step per variant.
+"""Benchmark: the norms inside models, one jitted training step per variant.
 
 Run from the repository root after `pip install .` (flax; optax if installed):
 
-    python benchmarks/bench_models.py                  # both models, 5 rounds
+    python benchmarks/bench_models.py                  # the two small models, 5 rounds
     python benchmarks/bench_models.py --quick          # tiny models, 1 round: a smoke run
     python benchmarks/bench_models.py --model unet --rounds 8 --iters 40
     python benchmarks/bench_models.py --model transformer --rounds 60 --iters 120 \
         --keep-freed-memory --profile-rounds 5   # no page faults; savings by op time too
+    python benchmarks/bench_models.py --model realistic --dtypes bfloat16,float32 \
+        --trace-calls 2                          # the sizes people train (a GPU)
 
-Two models, each built with flax.linen in several variants that differ only
-in their norms:
+Two kinds of model, each built with flax.linen in several variants that
+differ only in their norms:
 
 * **unet**: a UNet-style stack of residual blocks (GroupNorm -> SiLU -> 3x3
   conv, twice, plus the skip), NHWC, a strided conv between levels;
@@ -25,7 +27,19 @@ in their norms:
   ``dropin`` (``h = h + out`` then the plain drop-in, what ``patch()``
   gives) and ``identity`` (the add alone).
 
-Both models also run ``affine``: each norm replaced by its affine part
+Besides the small ``unet`` and ``transformer`` (``--size``; on a GPU bound
+by their launches), ``--model`` names sizes people train on one GPU
+(``REALISTIC``): ``sd_unet``, a Stable-Diffusion-class UNet (a 64x64
+latent of 4 channels, levels of 320/640/1280 channels, GroupNorm with 32
+groups then SiLU, batch 8); ``gpt2``, a GPT-2-small-class transformer (12
+blocks of 768, 12 heads, causal attention over 1024 tokens, batch 16);
+``dit_b``, a DiT-B-class transformer (12 blocks of 768, 12 heads, 256
+tokens, batch 64; its norms are LayerNorms with parameters, DiT's adaLN
+modulation is not modelled). Their default variants are flax's layers, the
+drop-ins with the kernel forward and with XLA's, the fused forms and the
+identity (``REALISTIC_VARIANTS``).
+
+The small models also run ``affine``: each norm replaced by its affine part
 (``x * scale + bias``, flax's parameters, no statistics), a second stand-in
 for a free norm. ``identity`` also drops the norms' parameters, their
 optimizer updates and the gradient paths to them: in the transformer the
@@ -40,15 +54,28 @@ after a pause and one untimed call, as bench_cpu.py's columns), medians
 over all rounds. Reported: the norms' share of flax's step, ``(flax -
 identity) / flax``, and the share of that norm time each package variant
 saves, ``(flax - variant) / (flax - identity)``, with a 90% interval
-for it from the rounds (:func:`saves_interval`: each round times every
+for it from the rounds (:func:`bench_lib.saves_interval`: each round times every
 variant back to back, so a round's differences are paired; a slow spell
 of the machine moves all of a round's steps together). With
 ``--profile-rounds`` also by op time (:func:`measure_model`). With
 ``--keep-freed-memory``, :func:`jax_normgrad.keep_freed_memory` first:
 without it each step's fresh buffers page-fault, and on the 2-core VM a
 step's first op that touches them stalled for 25-50 ms in 2 to 3 steps
-of 10, whichever variant's op that was. Writes a JSON
-file (``--out``) with the machine, versions and the load average.
+of 10, whichever variant's op that was.
+
+``--trace-calls N``: after the timed rounds, one ``jax.profiler`` trace per
+model and dtype holding N calls of each variant's step
+(:func:`jax_normgrad.bench_lib.trace_steps`; ``--trace-variants``), saved
+beside the JSON (``--trace-dir``), each variant's kernel times, launches and
+the step's time with no kernel running in the row (``<variant>_trace``).
+The steps are then compiled with ``xla_enable_command_buffers_during_profiling``:
+XLA turns its command buffers (CUDA graphs) off while a profiler runs unless
+a module was compiled with it, and reads it only then, so the timed rounds,
+which run no profiler, run the same executables as without it.
+
+Writes a JSON file (``--out``) with the run (:func:`bench_lib.run_info`:
+device, GPU backend, versions, commit, command) and the load average,
+after each model.
 """
 
 from __future__ import annotations
@@ -61,7 +88,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,24 +98,61 @@ from jax_normgrad import _bench, _ffi
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_cpu import SETTLE_S, cpu_model  # noqa: E402  (the sibling script's conventions)
-import bench_lib  # noqa: E402  (the profile parsing)
+import bench_lib  # noqa: E402  (the profile parsing, the rounds' statistics)
 
 import flax.linen as nn  # noqa: E402
 import jax_normgrad.flax as jnf  # noqa: E402
 
-# (batch, side, channels per level, blocks per level, groups); "quick" is a smoke size, "gpu"
-# fills an H100 (GroupNorm on 32x32x32x64 down to 32x8x8x256, as a diffusion UNet's).
+class UNetSize(NamedTuple):
+  batch: int
+  side: int
+  channels: tuple  # per level
+  blocks: int  # per level
+  groups: int
+  in_channels: int = 3
+
+
+class TransformerSize(NamedTuple):
+  batch: int
+  tokens: int
+  width: int
+  heads: int
+  blocks: int
+  causal: bool = False
+
+
+# "quick" is a smoke size; "gpu" the small UNet at batch 32 (GroupNorm on 32x32x32x64 down to
+# 32x8x8x256), launch-bound on a GPU.
 UNET_SIZES = {
-    "default": (8, 32, (64, 128, 256), 2, 32),
-    "quick": (2, 8, (16,), 1, 4),
-    "gpu": (32, 32, (64, 128, 256), 2, 32),
+    "default": UNetSize(8, 32, (64, 128, 256), 2, 32),
+    "quick": UNetSize(2, 8, (16,), 1, 4),
+    "gpu": UNetSize(32, 32, (64, 128, 256), 2, 32),
 }
-# (batch, tokens, width, heads, blocks); "gpu": a DiT-sized stack (6 blocks of 512, 256 tokens).
+# "gpu": a small DiT-sized stack (6 blocks of 512, 256 tokens, batch 32).
 TRANSFORMER_SIZES = {
-    "default": (8, 256, 512, 8, 4),
-    "quick": (2, 16, 32, 2, 1),
-    "gpu": (32, 256, 512, 8, 6),
+    "default": TransformerSize(8, 256, 512, 8, 4),
+    "quick": TransformerSize(2, 16, 32, 2, 1),
+    "gpu": TransformerSize(32, 256, 512, 8, 6),
 }
+#: model name -> (kind, {size name: size}). The realistic ones have one size, "full", and a
+#: "quick" of their structure (channels per group not a power of two, causal attention).
+MODELS = {
+    "unet": ("unet", UNET_SIZES),
+    "transformer": ("transformer", TRANSFORMER_SIZES),
+    "sd_unet": ("unet", {"full": UNetSize(8, 64, (320, 640, 1280), 2, 32, in_channels=4),
+                         "quick": UNetSize(2, 8, (20, 40), 1, 2, in_channels=4)}),
+    "gpt2": ("transformer", {"full": TransformerSize(16, 1024, 768, 12, 12, causal=True),
+                             "quick": TransformerSize(2, 16, 24, 2, 1, causal=True)}),
+    "dit_b": ("transformer", {"full": TransformerSize(64, 256, 768, 12, 12),
+                              "quick": TransformerSize(2, 16, 24, 2, 1)}),
+}
+#: ``--model`` names for several: the small (launch-bound) pair and the sizes people train.
+MODEL_GROUPS = {"all": ("unet", "transformer"), "realistic": ("sd_unet", "gpt2", "dit_b")}
+REALISTIC = MODEL_GROUPS["realistic"]
+#: The realistic models' default variants by kind: flax's layers, the drop-ins with the kernel
+#: forward and XLA's, the fused form (GroupNorm + SiLU; the residual add + LayerNorm), identity.
+REALISTIC_VARIANTS = {"unet": ("flax", "ours", "ours_xla", "fused", "identity"),
+                      "transformer": ("flax", "dropin", "dropin_xla", "ours", "identity")}
 
 
 def fused_activation_available() -> bool:
@@ -128,7 +192,7 @@ def split_variant(variant: str) -> tuple[str, dict]:
   """``"fused@gpu_nhwc_split=False"`` -> ``("fused", {"gpu_nhwc_split": False})``.
 
   A variant named ``base@key=value[@key=value...]`` is the model of ``base``
-  with ``jax_normgrad.pallas.config.override(key=value, ...)`` in force
+  with ``bench_lib.tuning(key=value, ...)`` in force
   while its step is traced: a kernel heuristic compared inside the model,
   beside the default, in the same interleaved rounds (values are Python
   literals).
@@ -217,24 +281,29 @@ def unet_variants() -> tuple[str, ...]:
       ("fused", "fused_xla") if fused_activation_available() else ()) + ("identity", "affine")
 
 
-def unet_setup(variant: str, size: str = "default", dtype=jnp.float32):
+def _size(size, sizes: dict):
+  return sizes[size] if isinstance(size, str) else size
+
+
+def unet_setup(variant: str, size="default", dtype=jnp.float32):
   """``(model, x, target)``; the target has the last level's shape.
 
-  ``dtype``: the model's computation dtype (its convolutions and norms; the
-  parameters stay float32, as flax's mixed precision), x in it too.
+  ``size``: a name of ``UNET_SIZES`` or a :class:`UNetSize`. ``dtype``: the
+  model's computation dtype (its convolutions and norms; the parameters
+  stay float32, as flax's mixed precision), x in it too.
   """
-  batch, side, channels, blocks, groups = UNET_SIZES[size]
+  batch, side, channels, blocks, groups, cin = _size(size, UNET_SIZES)
   model = UNetStack(channels, blocks, variant, groups, jnp.dtype(dtype))
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((batch, side, side, 3), np.float32)).astype(dtype)
+  x = jnp.asarray(rng.standard_normal((batch, side, side, cin), np.float32)).astype(dtype)
   out_side = side >> (len(channels) - 1)
-  target = jnp.asarray(rng.standard_normal((batch, out_side, out_side, 3), np.float32))
+  target = jnp.asarray(rng.standard_normal((batch, out_side, out_side, cin), np.float32))
   return model, x, target
 
 
-def unet_norm_shapes(size: str = "default") -> list[str]:
+def unet_norm_shapes(size="default") -> list[str]:
   """The GroupNorm inputs of one forward, NHWC, as ``NxHxWxC`` (each with the count)."""
-  batch, side, channels, blocks, _ = UNET_SIZES[size]
+  batch, side, channels, blocks, *_ = _size(size, UNET_SIZES)
   shapes = {}
   prev = channels[0]
   for level, c in enumerate(channels):
@@ -295,13 +364,15 @@ class PreNormStack(nn.Module):
   variant: str
   norm: str
   dtype: Any = None
+  causal: bool = False  # each token attends to those before it (a language model's mask)
 
   @nn.compact
   def __call__(self, x):
     add_norm = lambda: AddNorm(self.variant, self.norm, self.dtype)
+    mask = nn.make_causal_mask(x[..., 0]) if self.causal else None
     y, h = add_norm()(x)
     for _ in range(self.blocks):
-      out = nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(y)
+      out = nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(y, mask=mask)
       y, h = add_norm()(out, h)
       y, h = add_norm()(MLP(self.dtype)(y), h)
     return y.astype(jnp.float32)
@@ -314,10 +385,11 @@ BASELINES = ("flax", "identity", "affine")
 SAVINGS_BASES = (("", "identity"), ("_vs_affine", "affine"))
 
 
-def transformer_setup(variant: str, norm: str = "layer", size: str = "default", dtype=jnp.float32):
-  """``(model, x, target)``; ``dtype`` as :func:`unet_setup`'s (the residual stream in it too)."""
-  batch, tokens, width, heads, blocks = TRANSFORMER_SIZES[size]
-  model = PreNormStack(blocks, heads, variant, norm, jnp.dtype(dtype))
+def transformer_setup(variant: str, norm: str = "layer", size="default", dtype=jnp.float32):
+  """``(model, x, target)``; ``size`` a name of ``TRANSFORMER_SIZES`` or a :class:`TransformerSize`,
+  ``dtype`` as :func:`unet_setup`'s (the residual stream in it too)."""
+  batch, tokens, width, heads, blocks, causal = _size(size, TRANSFORMER_SIZES)
+  model = PreNormStack(blocks, heads, variant, norm, jnp.dtype(dtype), causal)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((batch, tokens, width), np.float32)).astype(dtype)
   target = jnp.asarray(rng.standard_normal(x.shape, np.float32))
@@ -387,68 +459,38 @@ def count_params(params) -> int:
   return int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
 
 
-def custom_calls(lowered_text: str) -> int:
-  """How many of this package's kernel calls a step's lowered text holds: the CPU custom calls
-  (``@jax_normgrad_...``) and, on a GPU or TPU, the Pallas kernels' calls, which name them."""
-  return sum(1 for line in lowered_text.splitlines()
-             if "custom_call" in line and "jax_normgrad_" in line)
-
-
-def compile_steps(steps: dict[str, tuple], threads: int = 1) -> dict[str, tuple]:
+def compile_steps(steps: dict[str, tuple], threads: int = 1,
+                  compiler_options: dict | None = None) -> dict[str, tuple]:
   """``{variant: (compiled step, args, lowered text, compiled text)}``, compiled ahead of time.
 
-  Each step is traced and lowered in turn (Python, one thread), then the
-  compiles run on ``threads`` threads (XLA compiles without holding the GIL):
-  on a GPU a model's variants compile in seconds each, most of a run's time.
+  Each step is traced and lowered in turn (Python, one thread; a
+  ``base@key=value`` variant under :func:`bench_lib.tuning`), then compiled:
+  the first alone, the others on ``threads`` threads (XLA compiles without
+  holding the GIL; on a GPU a model's variants compile in seconds each,
+  most of a run's time). The first compile's autotuning of the
+  convolutions and matmuls, which the variants share, is then in XLA's
+  cache for the others, instead of every thread timing the same
+  candidates on the one GPU at once. ``compiler_options``: XLA's options
+  for every compile (``Lowered.compile``).
   """
-  from jax_normgrad.pallas import config  # pylint: disable=g-import-not-at-top
-
   def lower(variant, step, args):
-    with config.override(**split_variant(variant)[1]):
+    with bench_lib.tuning(**split_variant(variant)[1]):
       return step.lower(*args)
 
   lowered = {v: (lower(v, step, args), args) for v, (step, args) in steps.items()}
+  compile_one = lambda la: la[0].compile(compiler_options)
+  first, *rest = lowered
+  compiled = {first: compile_one(lowered[first])}
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-    compiled = dict(zip(lowered, pool.map(lambda la: la[0].compile(), lowered.values())))
+    compiled.update(zip(rest, pool.map(compile_one, [lowered[v] for v in rest])))
   return {v: (compiled[v], args, low.as_text(), compiled[v].as_text())
           for v, (low, args) in lowered.items()}
 
 
-def saves_interval(flax_rounds, variant_rounds, base_rounds, level: float = 0.9,
-                   draws: int = 4000, seed: int = 0) -> tuple[float, float, float] | None:
-  """The share of the norm time a variant saves, from paired rounds, and its interval.
-
-  Each argument holds one median step time (ms) per round, for flax's
-  layers, the variant and the norm-free baseline. The estimate is
-  ``median_r(flax_r - variant_r) / median_r(flax_r - base_r)``: each
-  round's differences are taken between steps of the same round, so a
-  slow spell of the machine that lasts the round moves its variants alike
-  and cancels (one shorter than a round does not). The interval resamples the rounds (percentile
-  bootstrap, ``draws`` resamples with a fixed seed: the same rounds give
-  the same interval). Returns ``(estimate, low, high)``, or None with
-  fewer than 3 rounds or a norm time whose median is not positive.
-  """
-  f, v, b = (np.asarray(a, dtype=np.float64) for a in (flax_rounds, variant_rounds, base_rounds))
-  if not (len(f) == len(v) == len(b)):
-    raise ValueError(f"rounds: flax, variant and base must have one time per round each, got "
-                     f"{len(f)}, {len(v)} and {len(b)}")
-  saved, norm = f - v, f - b
-  if len(f) < 3 or np.median(norm) <= 0:
-    return None
-  idx = np.random.default_rng(seed).integers(0, len(f), size=(draws, len(f)))
-  num, den = np.median(saved[idx], axis=1), np.median(norm[idx], axis=1)
-  # A resample whose norm time is not positive resolves no share: +-inf by the sign of the saving.
-  with np.errstate(divide="ignore", invalid="ignore"):
-    ratios = np.where(den > 0, num / den, np.copysign(np.inf, num))
-  tail = 100 * (1 - level) / 2
-  low = np.percentile(ratios, tail, method="inverted_cdf")  # resampled values, none interpolated
-  high = np.percentile(ratios, 100 - tail, method="inverted_cdf")
-  return float(np.median(saved) / np.median(norm)), float(low), float(high)
-
-
 def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
                   settle_s: float = SETTLE_S, profile_rounds: int = 0,
-                  compile_threads: int = 1, top_kernels: int = 0) -> dict:
+                  compile_threads: int = 1, top_kernels: int = 0, trace_calls: int = 0,
+                  trace_variants: tuple | None = None, trace_path=None) -> dict:
   """One model: each variant's step in interleaved rounds; the medians, shares and savings.
 
   ``setups``: variant -> ``(model, x, target)``; must hold ``flax`` and
@@ -460,7 +502,7 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   with ``affine``, also ``norm_ms_affine = flax - affine`` and
   ``<variant>_saves_vs_affine`` against that. ``<variant>_saves_paired``
   (and ``..._vs_affine_paired``): ``[estimate, low, high]`` of
-  :func:`saves_interval` from the round medians, or None.
+  :func:`bench_lib.saves_interval` from the round medians, or None.
 
   With ``profile_rounds``, each variant's step is also profiled in that
   many interleaved rounds of 2 calls (:func:`jax_normgrad.bench_lib.step_op_ms`):
@@ -476,9 +518,22 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   (``<variant>_op_ms["kernels"]``: name, us per step, launches per step):
   the norm kernels and the converts, transposes and reductions around them.
   ``compile_threads``: see :func:`compile_steps`.
+
+  ``trace_calls`` > 0: after the rounds, the variants of ``trace_variants``
+  (None: those without ``_xla`` or ``@`` in their name) in one trace
+  (:func:`bench_lib.trace_steps`, saved to ``trace_path`` if given), each
+  step's ``calls`` calls: ``<variant>_trace`` holds its summary (ms per
+  step: ``ops``, ``matmul``, ``other``, ``busy`` and ``span``; on a GPU
+  ``norm``, ``launches`` and with ``top_kernels`` the largest
+  ``kernels``), compiled with command buffers kept on under the profiler
+  (the module docstring says why the timed rounds are not changed).
+  Each variant's ``<variant>_kernel_targets`` counts its kernel calls by
+  custom-call target (a GPU's: Triton's or Mosaic GPU's).
   """
   t0 = time.perf_counter()
-  compiled = compile_steps({v: training_step(*s) for v, s in setups.items()}, compile_threads)
+  options = {"xla_enable_command_buffers_during_profiling": True} if trace_calls else None
+  compiled = compile_steps({v: training_step(*s) for v, s in setups.items()}, compile_threads,
+                           options)
   compile_s = time.perf_counter() - t0
   steps = {v: (c[0], c[1]) for v, c in compiled.items()}
   per_round = max(1, -(-iters // rounds))
@@ -497,14 +552,23 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
       time.sleep(settle_s)
       op_times[v].append(bench_lib.step_op_ms(step, args, calls=2, top=top_kernels,
                                            hlo_text=compiled[v][3]))
+  traced = {}
+  if trace_calls:
+    chosen = trace_variants or [v for v in steps if not v.endswith("_xla") and "@" not in v]
+    traced = bench_lib.trace_steps({v: (*steps[v], compiled[v][3]) for v in chosen if v in steps},
+                                   calls=trace_calls, top=top_kernels, save_to=trace_path)
   row = {"model": name, "variants": list(steps), "rounds": rounds, "iters": per_round * rounds,
-         "profile_rounds": profile_rounds, "compile_s": compile_s}
+         "profile_rounds": profile_rounds, "compile_s": compile_s, "trace_calls": trace_calls,
+         "trace_file": str(trace_path) if traced and trace_path else None}
   for v, (step, args) in steps.items():
     row[f"{v}_loss"] = float(step(*args)[0])  # the first step's: flax's and the kernels' agree
     row[f"{v}_ms"] = float(np.median(samples[v]))
     row[f"{v}_rounds_ms"] = round_medians[v]
     row[f"{v}_params"] = count_params(steps[v][1][0])
-    row[f"{v}_custom_calls"] = custom_calls(compiled[v][2])
+    row[f"{v}_custom_calls"] = bench_lib.custom_calls(compiled[v][2])
+    row[f"{v}_kernel_targets"] = bench_lib.kernel_targets(compiled[v][2])
+    if v in traced:
+      row[f"{v}_trace"] = traced[v]
     if profile_rounds:
       row[f"{v}_op_ms"] = {k: float(np.median([t[k] for t in op_times[v]]))
                            for k in ("ops", "matmul", "other", "norm", "launches")
@@ -525,7 +589,8 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
       for suffix, base in SAVINGS_BASES:
         if base not in steps:
           continue
-        paired = saves_interval(round_medians["flax"], round_medians[v], round_medians[base])
+        paired = bench_lib.saves_interval(round_medians["flax"], round_medians[v],
+                                          round_medians[base])
         row[f"{v}_saves{suffix}_paired"] = list(paired) if paired else None
         if profile_rounds:
           other = {b: row[f"{b}_op_ms"]["other"] for b in ("flax", v, base)}
@@ -542,6 +607,9 @@ def print_row(row: dict):
     saves = row.get(f"{v}_saves")
     extra = (f"  {row[f'{v}_vs_flax']:.3f}x flax's, saves {100 * saves:5.1f}% of the norm time"
              if saves is not None else "")
+    if v not in BASELINES:  # a wrong kernel shows here first
+      lf = row["flax_loss"]
+      extra += f"; loss {abs(row[f'{v}_loss'] - lf) / max(abs(lf), 1e-30):.1e} from flax's"
     if f"{v}_saves_vs_affine" in row:
       extra += f" ({100 * row[f'{v}_saves_vs_affine']:.1f}% against affine)"
     for suffix, base in SAVINGS_BASES:
@@ -549,6 +617,12 @@ def print_row(row: dict):
       if paired:
         extra += (f"\n{'':12s}by round pairs against {base}: {100 * paired[0]:.1f}%, "
                   f"90% interval {100 * paired[1]:.1f}% to {100 * paired[2]:.1f}%")
+    if f"{v}_trace" in row:
+      tr = row[f"{v}_trace"]
+      extra += (f"\n{'':12s}traced: {tr['span']:.2f} ms a step, an op running {tr['busy']:.2f} "
+                f"ms; op time {tr['ops']:.2f} ms, matmuls {tr['matmul']:.2f}"
+                + (f", norm kernels {tr['norm']:.2f}" if "norm" in tr else "")
+                + (f"; {tr['launches']:g} launches" if "launches" in tr else ""))
     if f"{v}_op_ms" in row:
       op = row[f"{v}_op_ms"]
       extra += (f"\n{'':12s}op time {op['ops']:.2f} ms: matmuls {op['matmul']:.2f}, other "
@@ -567,12 +641,10 @@ def print_row(row: dict):
 
 def _info(args, settle_s, kept) -> dict:
   """The run's machine, versions and settings, for the JSON."""
-  info = _bench.versions()
+  info = bench_lib.run_info()
   import flax
   info["flax"] = flax.__version__
   info["optimizer"] = _optimizer()[2]
-  dev = jax.devices()[0]
-  info["device"] = f"{dev.platform}: {getattr(dev, 'device_kind', '?')}"
   try:
     info["cpu_kernel_isa"] = _ffi.isa()
   except RuntimeError:  # no compiled extension (a GPU machine may run the sources alone)
@@ -580,27 +652,51 @@ def _info(args, settle_s, kept) -> dict:
   info["cpu_model"] = cpu_model()
   info["settle_s"] = settle_s
   info["keep_freed_memory"] = kept
-  info["command"] = " ".join(sys.argv)
   info["loadavg_start"] = os.getloadavg()
   return info
+
+
+def model_names(spec: str) -> list[str]:
+  """``--model``'s comma-separated names (of ``MODELS`` or ``MODEL_GROUPS``), in order, once each."""
+  names = []
+  for name in filter(None, spec.split(",")):
+    if name not in MODELS and name not in MODEL_GROUPS:
+      raise ValueError(f"--model: expected names of {sorted(MODELS)} or {sorted(MODEL_GROUPS)}, "
+                       f"got {name!r}")
+    names += [n for n in MODEL_GROUPS.get(name, (name,)) if n not in names]
+  return names
+
+
+def model_size(name: str, quick: bool, size: str | None, gpu: bool):
+  """A model's size: "quick" with ``quick``; else ``size`` where the model has it; else the
+  realistic ones' "full", the small ones' "gpu" on a GPU and "default" elsewhere."""
+  sizes = MODELS[name][1]
+  if quick:
+    return "quick", sizes["quick"]
+  key = size if size in sizes else ("full" if "full" in sizes else "gpu" if gpu else "default")
+  return key, sizes[key]
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny models, 1 round of 2 steps")
   parser.add_argument("--size", choices=tuple(UNET_SIZES), default=None,
-                      help="the models' size (default: 'gpu' on a GPU, else 'default'; "
+                      help="the small models' size (default: 'gpu' on a GPU, else 'default'; "
                            "--quick: 'quick')")
-  parser.add_argument("--model", choices=("unet", "transformer", "all"), default="all")
+  parser.add_argument("--model", default="all",
+                      help=f"comma-separated models of {', '.join(MODELS)}; 'all' is "
+                           f"{','.join(MODEL_GROUPS['all'])}, 'realistic' "
+                           f"{','.join(REALISTIC)}")
   parser.add_argument("--norm", choices=("layer", "rms"), default="layer",
-                      help="the transformer's norm: LayerNorm or RMSNorm")
+                      help="the transformers' norm: LayerNorm or RMSNorm")
   parser.add_argument("--dtypes", default="float32",
                       help="comma-separated computation dtypes, each a run of every model "
                            "(float32, bfloat16)")
   parser.add_argument("--variants", default="",
                       help="comma-separated variants to run (flax and identity always run; "
-                           "default: all, less 'affine' on a GPU); 'base@key=value' is variant "
-                           "base traced under config.override(key=value) (split_variant)")
+                           "default: all, less 'affine' on a GPU; the realistic models: "
+                           "REALISTIC_VARIANTS); 'base@key=value' is variant base traced under "
+                           "bench_lib.tuning(key=value) (split_variant)")
   parser.add_argument("--iters", type=int, default=25, help="timed steps per variant (over the rounds)")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--settle-ms", type=float, default=None,
@@ -610,7 +706,15 @@ def main(argv=None):
                       help="also profile each variant's step in this many interleaved rounds of 2 "
                            "calls: its op time besides the matmuls, and the savings by it")
   parser.add_argument("--top-kernels", type=int, default=0,
-                      help="with --profile-rounds on a GPU: keep each step's N largest kernels")
+                      help="with --profile-rounds or --trace-calls on a GPU: keep each step's N "
+                           "largest kernels")
+  parser.add_argument("--trace-calls", type=int, default=0,
+                      help="after the timed rounds, one trace per model and dtype holding this "
+                           "many calls of each traced variant (command buffers on)")
+  parser.add_argument("--trace-variants", default="",
+                      help="comma-separated variants to trace (default: those without _xla or @)")
+  parser.add_argument("--trace-dir", default=None,
+                      help="where the traces go (default: beside --out, <stem>_traces)")
   parser.add_argument("--compile-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                       help="compile a model's variants on this many threads")
   parser.add_argument("--keep-freed-memory", action="store_true",
@@ -618,14 +722,17 @@ def main(argv=None):
   parser.add_argument("--out", default="benchmarks/results/models.json")
   args = parser.parse_args(argv)
   import jax_normgrad as jn
+  names = model_names(args.model)
   kept = jn.keep_freed_memory() if args.keep_freed_memory else False
   gpu = jax.default_backend() == "gpu"
-  size = "quick" if args.quick else args.size or ("gpu" if gpu else "default")
   iters, rounds = (2, 1) if args.quick else (args.iters, args.rounds)
   settle_s = (0.0 if gpu else SETTLE_S) if args.settle_ms is None else args.settle_ms / 1e3
   wanted = set(filter(None, args.variants.split(",")))
 
-  def chosen(variants):
+  def chosen(name, variants):
+    if not wanted and name in REALISTIC:
+      variants, pick = REALISTIC_VARIANTS[MODELS[name][0]], set(variants)
+      return [v for v in variants if v in pick]
     tuned = [v for v in args.variants.split(",") if "@" in v and split_variant(v)[0] in variants]
     return [v for v in variants if v in ("flax", "identity") or (
         v in wanted if wanted else not (gpu and v == "affine"))] + tuned
@@ -635,28 +742,36 @@ def main(argv=None):
   rows = []
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
+  trace_dir = pathlib.Path(args.trace_dir or out.with_name(out.stem + "_traces"))
   kw = dict(iters=iters, rounds=rounds, settle_s=settle_s, profile_rounds=args.profile_rounds,
-            compile_threads=args.compile_threads, top_kernels=args.top_kernels)
+            compile_threads=args.compile_threads, top_kernels=args.top_kernels,
+            trace_calls=args.trace_calls,
+            trace_variants=[v for v in args.trace_variants.split(",") if v] or None)
   for dtype in args.dtypes.split(","):
     dt = jnp.dtype(dtype)
-    if args.model in ("unet", "all"):
-      setups = {v: unet_setup(split_variant(v)[0], size, dt) for v in chosen(unet_variants())}
-      b, side, channels, blocks, groups = UNET_SIZES[size]
-      row = measure_model(f"unet {b}x{side}x{side}x3, channels {'/'.join(map(str, channels))}, "
-                          f"{blocks} blocks per level, {groups} groups, {dt.name}", setups, **kw)
-      row["norm_shapes"] = unet_norm_shapes(size)
-      row["dtype"] = dt.name
+    for name in names:
+      kind, _ = MODELS[name]
+      size_name, size = model_size(name, args.quick, args.size, gpu)
+      trace_path = trace_dir / f"{name}_{size_name}_{dt.name}.trace.json.gz"
+      if kind == "unet":
+        setups = {v: unet_setup(split_variant(v)[0], size, dt)
+                  for v in chosen(name, unet_variants())}
+        b, side, channels, blocks, groups, cin = size
+        row = measure_model(f"{name} {b}x{side}x{side}x{cin}, channels "
+                            f"{'/'.join(map(str, channels))}, {blocks} blocks per level, "
+                            f"{groups} groups, {dt.name}", setups, trace_path=trace_path, **kw)
+        row["norm_shapes"] = unet_norm_shapes(size)
+      else:
+        setups = {v: transformer_setup(split_variant(v)[0], args.norm, size, dt)
+                  for v in chosen(name, TRANSFORMER_VARIANTS)}
+        b, tokens, width, heads, blocks, causal = size
+        row = measure_model(f"{name} {b}x{tokens}x{width}, {heads} heads, {blocks} blocks"
+                            f"{', causal' if causal else ''}, {args.norm} norm, {dt.name}",
+                            setups, trace_path=trace_path, **kw)
+      row.update(name=name, size=size_name, dtype=dt.name)
       rows.append(row)
       print_row(row)
-    if args.model in ("transformer", "all"):
-      setups = {v: transformer_setup(split_variant(v)[0], args.norm, size, dt)
-                for v in chosen(TRANSFORMER_VARIANTS)}
-      b, tokens, width, heads, blocks = TRANSFORMER_SIZES[size]
-      rows.append(measure_model(f"pre-norm transformer {b}x{tokens}x{width}, {heads} heads, "
-                                f"{blocks} blocks, {args.norm} norm, {dt.name}", setups, **kw))
-      rows[-1]["dtype"] = dt.name
-      print_row(rows[-1])
-    out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))  # kept if a later one fails
+      out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))  # kept if a later one fails
   info["loadavg_end"] = os.getloadavg()
   out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
   print(f"load average at the start {info['loadavg_start']}, at the end {info['loadavg_end']}")

@@ -35,6 +35,7 @@ import collections
 import contextlib
 import faulthandler
 import io
+import pathlib
 import re
 import sys
 import time
@@ -45,6 +46,9 @@ import numpy as np
 
 import jax_normgrad as jn
 from jax_normgrad import _bench
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_lib  # noqa: E402  (the sibling module: the one way to change a tuning)
 
 
 def _phases(name: str, fn, args, calls: int, moved: int) -> None:
@@ -67,7 +71,7 @@ def probe(rows: int, hidden: int, dtype, impl: str, calls: int, stages: int | No
   """Both phases of ``impl``; ``stages``: Mosaic GPU's ``mosaic_gpu_max_stages`` for the run."""
   if stages is not None:
     from jax_normgrad.pallas import config  # pylint: disable=g-import-not-at-top
-    with config.override(mosaic_gpu_max_stages=stages):
+    with bench_lib.tuning(mosaic_gpu_max_stages=stages):
       plans = [config.mosaic_gpu_plan(hidden, jnp.dtype(dtype).itemsize, backward=b,
                                       params=1 + (not b), in_place=not b) for b in (False, True)]
       got = ", ".join(f"{k} {p.stages if p else 'pieces'}{' in place' if p and p.in_place else ''}"

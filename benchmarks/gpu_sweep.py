@@ -9,7 +9,7 @@ Each configuration's forward and backward (``layer_norm_fwd`` /
 ``layer_norm_backward`` and their RMSNorm and GroupNorm equivalents: the
 kernels alone, as in ``bench_gpu.py``; for the ``add_*`` rows the fused
 residual op's forward, and its forward + backward in the "bwd" column) are
-compiled under its override (``config.override``, with ``jax.clear_caches()``
+compiled under its override (``bench_lib.tuning``, with ``jax.clear_caches()``
 around it), then every
 compiled function is timed in interleaved rounds, so that each figure sees
 the same machine state. Samples are calls issued back to back and blocked
@@ -36,7 +36,6 @@ import numpy as np
 
 import jax_normgrad as jn
 from jax_normgrad import _bench
-from jax_normgrad.pallas import config
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import bench_gpu  # noqa: E402
@@ -61,7 +60,7 @@ ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
         ("add_ln", (8192, 512), jnp.float32), ("add_ln", (8192, 512), jnp.bfloat16)]
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32),
               ("add_rms+f32", (24, 40), jnp.bfloat16)]
-#: name -> config.Tuning changes. "default" is the package's own.
+#: name -> tuning changes (bench_lib.tuning's keys). "default" is the package's own.
 CONFIGS = {
     "default": {},
     # The partials reduction before 2026-11-26: 128 columns x 16 rows a step, 4 warps.
@@ -127,7 +126,7 @@ def sweep_row(kind, shape, dtype, configs: dict, *, iters: int, rounds: int,
   compiled, errors = {}, {}
   for name, changes in configs.items():
     jax.clear_caches()
-    with config.override(**changes):
+    with bench_lib.tuning(**changes):
       for v in ("fwd", "bwd"):
         fn, args = getattr(wl, f"ours_{v}")
         compiled[name, v] = (jax.jit(fn).lower(*args).compile(), args)
@@ -187,7 +186,8 @@ def main(argv=None) -> int:
                           batch_ms=args.batch_ms))
     print_rows(rows[-1:], configs, out=sys.stderr)
     args.out.write_text(json.dumps({"machine": info, "versions": versions,
-                                    "command": " ".join(sys.argv), "configs": configs,
+                                    "command": " ".join(sys.argv), "commit": bench_lib.commit(),
+                                    "gpu_backend": bench_lib.gpu_backend(), "configs": configs,
                                     "rows": rows}, indent=1))
   print_rows(rows, configs)
   return 0

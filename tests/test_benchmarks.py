@@ -1,9 +1,10 @@
-"""Smoke tests of benchmarks/bench_cpu.py, bench_gpu.py and bench_models.py on tiny shapes (no timing asserted)."""
+"""Smoke tests of benchmarks/bench_cpu.py, bench_gpu.py, bench_models.py and gpu_session.sh on tiny shapes (no timing asserted)."""
 
 from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import pathlib
 import re
 import sys
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_normgrad as jn
 from jax_normgrad import _bench
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -111,6 +113,10 @@ def test_bench_gpu_smoke_run_writes_every_column(tmp_path, capsys):
   assert {"jax", "jax_normgrad"} <= set(result["versions"]) and result["machine"]["platform"]
   torch_ran = result["peers"]["torch"] is not None
   assert torch_ran == ("torch" in result["versions"])
+  # tokamax (Python 3.12+) where it imports; else its absence said, not a silent gap.
+  tokamax_ran = result["peers"]["tokamax"] is not None
+  assert tokamax_ran or "tokamax" in result["peers"]["tokamax_absent"]
+  assert result["commit"] is None or len(result["commit"]) >= 7
   assert result["peers"]["liger_kernel"] is None  # CUDA only
   labels = {f"{b} B, {w} warps" for b, w in bench_gpu.SMOKE_PALLAS_COPY_CONFIGS}
   for r in rows:
@@ -127,7 +133,8 @@ def test_bench_gpu_smoke_run_writes_every_column(tmp_path, capsys):
         assert r[f"{v}_{who}_of_roof"] == pytest.approx(r[f"{v}_{who}_gbs"] / r["roof_gbs"])
     for v in ("fwd", "bwd"):
       timed = {w: r[f"{v}_{w}_ms"] for w in bench_gpu.WHO if f"{v}_{w}_ms" in r}
-      assert set(timed) == {"ours", "xla"} | ({"torch"} if torch_ran else set())
+      assert set(timed) == ({"ours", "xla"} | ({"torch"} if torch_ran else set())
+                            | ({"tokamax"} if tokamax_ran and r["kind"] in ("ln", "rms") else set()))
       assert r[f"{v}_fastest"] == min(timed, key=timed.get)
       if torch_ran:  # the same function of the same inputs
         assert r[f"{v}_torch_max_rel_err"] < (2e-2 if r["dtype"] == "bfloat16" else 1e-4)
@@ -187,8 +194,78 @@ def test_bench_gpu_peers_columns_and_failures():
   lines = out.getvalue().splitlines()
   head = next(l for l in lines if l.startswith("| row |"))
   line = next(l for l in lines if l.startswith("| LayerNorm 24x40"))
-  assert line.count("|") == head.count("|") == 8
+  assert line.count("|") == head.count("|") == 9
   assert line.split("|")[head.split("|").index(" Liger ")] == " - "  # its forward failed
+
+
+class _FakeTokamax:
+  """A stand-in for the tokamax package (which needs Python 3.12): its ``layer_norm`` signature,
+  computed by jnp, with a custom VJP whose residuals hold x, y and the statistics, as tokamax's
+  Triton op keeps them."""
+
+  __version__ = "fake"
+
+  @staticmethod
+  def layer_norm(x, scale, offset, *, axis=-1, epsilon=1e-6, scale_offset=0.0,
+                 subtract_mean=True, implementation=None):
+    assert axis == -1 and scale_offset == 0.0 and implementation == "xla"
+
+    def stats(x):
+      x32 = x.astype(jnp.float32)
+      mean = jnp.mean(x32, -1, keepdims=True) if subtract_mean else jnp.zeros_like(x32[..., :1])
+      return mean, jax.lax.rsqrt(jnp.mean(jnp.square(x32 - mean), -1, keepdims=True) + epsilon)
+
+    def y_of(x, scale, offset, mean, rstd):
+      y = (x.astype(jnp.float32) - mean) * rstd * scale.astype(jnp.float32)
+      return (y if offset is None else y + offset.astype(jnp.float32)).astype(x.dtype)
+
+    @jax.custom_vjp
+    def f(x, scale, offset):
+      return y_of(x, scale, offset, *stats(x))
+
+    def fwd(x, scale, offset):
+      mean, rstd = stats(x)
+      y = y_of(x, scale, offset, mean, rstd)
+      return y, (x, scale, offset, y, mean, rstd)
+
+    def bwd(res, dy):
+      x, scale, offset = res[:3]
+      return jax.vjp(lambda x, s, o: y_of(x, s, o, *stats(x)), x, scale, offset)[1](dy)
+
+    f.defvjp(fwd, bwd)
+    return f(x, scale, offset)
+
+
+def test_bench_gpu_tokamax_column():
+  """tokamax's column joins the LayerNorm and RMSNorm rows like a peer's (not GroupNorm's): its
+  forward returns y and the statistics only, its results are checked against ours, and on a
+  CPU it runs tokamax's XLA code (no Triton call in its module)."""
+  bench_gpu = _load_script("bench_gpu.py")
+  tok = bench_gpu.Tokamax("cpu", module=_FakeTokamax)
+  assert tok.info["tokamax"] == {"version": "fake", "implementation": "xla"}
+  assert bench_gpu.Tokamax("gpu", enabled=False).info["absent"] == "--no-peers"
+  row = bench_gpu.measure("ln", (24, 40), jnp.float32, iters=1, rounds=1, tokamax=tok,
+                          pallas_configs=bench_gpu.SMOKE_PALLAS_COPY_CONFIGS[:1])
+  assert "errors" not in row, row["errors"]
+  assert row["fwd_tokamax_ms"] > 0 and row["bwd_tokamax_ms"] > 0
+  assert row["fwd_tokamax_of_roof"] == pytest.approx(row["fwd_tokamax_gbs"] / row["roof_gbs"])
+  assert row["fwd_tokamax_max_rel_err"] < 1e-4 and row["bwd_tokamax_max_rel_err"] < 1e-4
+  assert row["tokamax_kernel_calls"] == 0
+  out = io.StringIO()
+  bench_gpu.print_table([row], out=out)
+  head = next(l for l in out.getvalue().splitlines() if l.startswith("| row |"))
+  line = next(l for l in out.getvalue().splitlines() if l.startswith("| LayerNorm 24x40"))
+  assert line.split("|")[head.split("|").index(" tokamax ")] != " - "
+  # RMSNorm: y and the statistics from the forward, dx from the backward, as XLA's.
+  wl = bench_gpu.workload("rms", (16, 72), jnp.bfloat16)
+  timed, outputs, errors = tok.variants("rms", wl)
+  assert not errors and set(timed) == {"fwd_tokamax", "bwd_tokamax"}
+  fwd, args, _ = timed["fwd_tokamax"]
+  assert [a.shape for a in jax.tree.leaves(fwd(*args))] == [(16, 72), (16, 1), (16, 1)]
+  want = {"fwd_tokamax": wl.xla_fwd[0](*wl.xla_fwd[1]), "bwd_tokamax": wl.xla_bwd[0](*wl.xla_bwd[1])[0]}
+  for name, got in outputs.items():
+    assert _bench.max_rel_err(got, np.asarray(want[name].reshape(-1).astype(jnp.float32))) < 2e-2
+  assert tok.variants("gn_nhwc", None) == ({}, {}, {})  # no GroupNorm in tokamax
 
 
 def test_bench_gpu_rows_are_the_issues():
@@ -283,11 +360,21 @@ def test_bench_models_quick_unet_reports_share_and_savings(tmp_path, capsys):
   bench_models = _load_script("bench_models.py")
   out = tmp_path / "models.json"
   assert bench_models.main(["--quick", "--model", "unet", "--settle-ms", "0", "--profile-rounds", "1",
-                           "--out", str(out)]) == 0
+                           "--trace-calls", "1", "--out", str(out)]) == 0
   result = json.loads(out.read_text())
-  assert {"jax", "jax_normgrad", "flax", "optimizer", "loadavg_start", "loadavg_end"} <= set(
-      result["info"])
+  assert {"jax", "jax_normgrad", "flax", "optimizer", "loadavg_start", "loadavg_end", "commit",
+          "device", "gpu_backend"} <= set(result["info"])
+  assert result["info"]["device"].startswith("cpu") and result["info"]["gpu_backend"] is None
   (row,) = result["rows"]
+  # One trace of the variants with the kernel forward: each one's ops in its own window.
+  assert pathlib.Path(row["trace_file"]).stat().st_size > 0
+  traced = [v for v in row["variants"] if f"{v}_trace" in row]
+  assert traced == [v for v in row["variants"] if not v.endswith("_xla")]
+  for v in traced:
+    assert row[f"{v}_trace"]["span"] >= row[f"{v}_trace"]["busy"] > 0
+  assert row["flax_kernel_targets"] == {}
+  assert sum(row["fused_kernel_targets"].values()) == row["fused_custom_calls"]
+  assert all(t.startswith("jax_normgrad_") for t in row["fused_kernel_targets"])
   assert row["variants"] == list(bench_models.unet_variants())
   # flax's layers and the identities run no kernel; every package variant does.
   assert row["flax_custom_calls"] == row["identity_custom_calls"] == row["affine_custom_calls"] == 0
@@ -302,7 +389,8 @@ def test_bench_models_quick_unet_reports_share_and_savings(tmp_path, capsys):
   # The variants differ in their norms only: the same parameters (the affine
   # stand-in's too), less the identities' norms.
   assert row["ours_params"] == row["flax_params"] == row["affine_params"] > row["identity_params"]
-  assert "norms:" in capsys.readouterr().out
+  text = capsys.readouterr().out
+  assert "norms:" in text and "traced:" in text
   # One round pairs nothing: no interval.
   assert row["ours_saves_paired"] is None and row["ours_saves_vs_affine_paired"] is None
   # The op-time profile: every variant's, split into matmuls and the rest.
@@ -320,21 +408,20 @@ def test_bench_models_quick_unet_reports_share_and_savings(tmp_path, capsys):
 
 def test_saves_interval_from_paired_rounds():
   """The saved share from paired rounds: a slow spell common to a round cancels; the interval covers the truth."""
-  bench_models = _load_script("bench_models.py")
   rng = np.random.default_rng(3)
   spell = rng.normal(0.0, 60.0, size=40)  # the machine's speed, shared by a round's steps
   flax, base, variant = (t + spell + rng.normal(0.0, 4.0, size=40) for t in (1200.0, 1150.0, 1160.0))
-  estimate, low, high = bench_models.saves_interval(flax, variant, base)
+  estimate, low, high = bench_lib.saves_interval(flax, variant, base)
   assert low <= 0.8 <= high  # the truth: (1200 - 1160) / (1200 - 1150)
   assert high - low < 0.4  # the +-60 ms spells would swamp the 50 ms norm time unpaired
   assert low <= estimate <= high
-  assert bench_models.saves_interval(flax, variant, base) == (estimate, low, high)  # fixed seed
+  assert bench_lib.saves_interval(flax, variant, base) == (estimate, low, high)  # fixed seed
   # Exact rounds: a point; too few rounds or no norm time: None.
-  assert bench_models.saves_interval([3, 3, 3], [1, 1, 1], [1, 1, 1]) == (1.0, 1.0, 1.0)
-  assert bench_models.saves_interval(flax[:2], variant[:2], base[:2]) is None
-  assert bench_models.saves_interval(flax, variant, flax + 1.0) is None
+  assert bench_lib.saves_interval([3, 3, 3], [1, 1, 1], [1, 1, 1]) == (1.0, 1.0, 1.0)
+  assert bench_lib.saves_interval(flax[:2], variant[:2], base[:2]) is None
+  assert bench_lib.saves_interval(flax, variant, flax + 1.0) is None
   with pytest.raises(ValueError, match="rounds"):
-    bench_models.saves_interval(flax, variant[:-1], base)
+    bench_lib.saves_interval(flax, variant[:-1], base)
 
 
 def test_bench_models_tuned_variants_trace_under_their_override():
@@ -358,16 +445,131 @@ def test_bench_models_transformer_variants_lower_to_their_kernels():
   pytest.importorskip("flax")
   bench_models = _load_script("bench_models.py")
   calls = {}
+  causal = bench_models.MODELS["gpt2"][1]["quick"]  # GPT-2's mask too
   for v in bench_models.TRANSFORMER_VARIANTS:
-    model, x, target = bench_models.transformer_setup(v, "layer", "quick")
+    model, x, target = bench_models.transformer_setup(v, "layer", causal)
     params = bench_models.init_params(model, x)
     step = jax.jit(lambda p, x, t, model=model: jax.grad(
         lambda p: jnp.mean(jnp.square(model.apply(p, x) - t)))(p))
-    calls[v] = bench_models.custom_calls(step.lower(params, x, target).as_text())
+    calls[v] = bench_lib.custom_calls(step.lower(params, x, target).as_text())
   assert calls["flax"] == calls["identity"] == calls["affine"] == 0
   # Per block two adds + norms, and the first norm: add_layer_norm's forward and
   # backward replace the drop-in's, each add one kernel less XLA pass.
   assert 0 < calls["ours"] <= calls["dropin"]
+
+
+def test_bench_models_realistic_sizes_are_the_issues():
+  """Issue 52's sizes: an SD-class UNet (64x64 latent, 320/640/1280, 32 groups, batch 8), GPT-2
+  small (12 x 768, 1024 causal tokens, batch 16), DiT-B (12 x 768, 256 tokens, batch 64); each
+  model's norms as built (shapes only: no step is compiled)."""
+  pytest.importorskip("flax")
+  bm = _load_script("bench_models.py")
+  sd, gpt2, dit = (bm.MODELS[n][1]["full"] for n in ("sd_unet", "gpt2", "dit_b"))
+  assert (sd.batch, sd.side, sd.channels, sd.groups, sd.in_channels) == (
+      8, 64, (320, 640, 1280), 32, 4)
+  assert (gpt2.batch, gpt2.tokens, gpt2.width, gpt2.blocks, gpt2.causal) == (
+      16, 1024, 768, 12, True)
+  assert (dit.batch, dit.tokens, dit.width, dit.blocks, dit.causal) == (64, 256, 768, 12, False)
+  assert bm.model_names("realistic,unet") == ["sd_unet", "gpt2", "dit_b", "unet"]
+  assert bm.model_names("all") == ["unet", "transformer"]
+  with pytest.raises(ValueError, match="--model"):
+    bm.model_names("gpt3")
+  assert bm.model_size("gpt2", quick=False, size=None, gpu=False) == ("full", gpt2)
+  assert bm.model_size("unet", quick=False, size=None, gpu=True) == ("gpu", bm.UNET_SIZES["gpu"])
+  assert bm.model_size("dit_b", quick=True, size="gpu", gpu=True)[0] == "quick"
+  assert bm.unet_norm_shapes(sd)[:2] == ["8x64x64x320 (4x)", "8x32x32x320 (1x)"]
+  model, x, _ = bm.unet_setup("flax", sd, jnp.bfloat16)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+  assert x.shape == (8, 64, 64, 4) and x.dtype == jnp.bfloat16
+  norms = [k for k in jax.tree_util.tree_flatten_with_path(params)[0]
+           if "GroupNorm" in jax.tree_util.keystr(k[0]) and k[0][-1].key == "scale"]
+  assert len(norms) == 13
+  for name, size in (("gpt2", gpt2), ("dit_b", dit)):
+    model, x, _ = bm.transformer_setup("flax", "layer", size, jnp.bfloat16)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    assert x.shape == (size.batch, size.tokens, 768) and model.causal == size.causal
+    assert 84e6 < bm.count_params(params) < 86e6, name  # 12 blocks of 768, no embeddings
+    assert sum("LayerNorm" in jax.tree_util.keystr(k) for k, _ in
+               jax.tree_util.tree_flatten_with_path(params)[0]) == 2 * 25  # scale and bias
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_realistic_model_norms_lower_for_cuda(dtype):
+  """The realistic models' norms lower to the Triton kernels for cuda (no GPU here): the SD-class
+  UNet's GroupNorm + SiLU at each level (10, 20 and 40 channels per group) and the
+  transformers' residual add + LayerNorm over 16384 rows of 768, forward and backward."""
+  bm = _load_script("bench_models.py")
+  sd, gpt2 = bm.MODELS["sd_unet"][1]["full"], bm.MODELS["gpt2"][1]["full"]
+  sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype)
+  check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  f32 = lambda t: jnp.sum(t.astype(jnp.float32))
+  gn = jax.grad(lambda x, w, b: f32(jn.group_norm(x, sd.groups, w, b, channel_axis=-1,
+                                                  activation="silu")), argnums=(0, 1, 2))
+  add_ln = jax.grad(lambda x, r, w, b: sum(map(f32, jn.add_layer_norm(x, r, w, b))),
+                    argnums=(0, 1, 2, 3))
+  rows = gpt2.batch * gpt2.tokens
+  cases_ = [(gn, (sds((sd.batch, sd.side >> i, sd.side >> i, c)), sds((c,)), sds((c,))))
+            for i, c in enumerate(sd.channels)]
+  cases_.append((add_ln, (sds((rows, gpt2.width)), sds((rows, gpt2.width)), sds((gpt2.width,)),
+                          sds((gpt2.width,)))))
+  for f, args in cases_:
+    text = cases.export_for("cuda", jax.jit(f), args, disabled_checks=check).mlir_module()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") >= 3, args  # forward, backward, sums
+    assert "custom_call @jax_normgrad_" not in text  # no CPU kernel
+
+
+def test_bench_models_main_runs_the_realistic_models(tmp_path, monkeypatch):
+  """``--model realistic --quick``: each model at its smoke size in each dtype, its default
+  variants (the brief's five), a trace file of its own, a JSON row saved per model (the steps
+  themselves: test_bench_models_quick_unet_reports_share_and_savings)."""
+  import json
+  pytest.importorskip("flax")
+  bm = _load_script("bench_models.py")
+  calls = []
+
+  def measure_model(name, setups, **kw):
+    calls.append((name, list(setups), kw))
+    return {"model": name, "variants": list(setups)}
+
+  monkeypatch.setattr(bm, "measure_model", measure_model)
+  monkeypatch.setattr(bm, "print_row", lambda row: None)
+  out = tmp_path / "m.json"
+  assert bm.main(["--quick", "--model", "realistic", "--dtypes", "bfloat16,float32",
+                  "--trace-calls", "2", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["name"], r["dtype"], r["size"]) for r in rows] == [
+      (n, d, "quick") for d in ("bfloat16", "float32") for n in ("sd_unet", "gpt2", "dit_b")]
+  for (name, variants, kw), row in zip(calls, rows):
+    assert name.startswith(row["name"] + " ") and row["dtype"] in name
+    assert variants == list(bm.REALISTIC_VARIANTS[bm.MODELS[row["name"]][0]])
+    assert kw["trace_calls"] == 2 and kw["trace_path"] == (
+        tmp_path / "m_traces" / f"{row['name']}_quick_{row['dtype']}.trace.json.gz")
+  assert "causal" in calls[1][0] and "causal" not in calls[2][0]
+
+
+def test_trace_steps_splits_one_trace_by_step(tmp_path):
+  """Two steps in one trace: each one's ops are those inside its own annotation (a sine's step
+  has no matmul, a matmul's has one)."""
+  x = jnp.ones((64, 64), jnp.float32)
+  steps = {}
+  for name, f in (("sines", lambda x: jnp.sin(x) + 1), ("matmul", lambda x: x @ x)):
+    compiled = jax.jit(f).lower(x).compile()
+    steps[name] = (compiled, (x,), compiled.as_text())
+  out = bench_lib.trace_steps(steps, calls=2, save_to=tmp_path / "t" / "trace.json.gz")
+  assert (tmp_path / "t" / "trace.json.gz").stat().st_size > 0
+  assert out["sines"]["matmul"] == 0 and out["sines"]["ops"] > 0
+  assert out["matmul"]["matmul"] > 0
+  for summary in out.values():
+    assert summary["span"] >= summary["busy"] > 0
+
+
+def test_bench_lib_tuning_changes_the_kernels_tuning():
+  """bench_lib.tuning: the one way the benchmarks change a tuning; restored on exit."""
+  from jax_normgrad.pallas import config
+  before = config.interpret_programs()
+  with bench_lib.tuning(interpret_programs=before + 4):
+    assert config.interpret_programs() == before + 4
+  assert config.interpret_programs() == before
 
 
 def test_op_names_tells_matmul_fusions_by_their_whole_name():
@@ -483,3 +685,54 @@ def test_ab_builds_times_a_second_copy_of_the_kernels():
   bad = subprocess.run([sys.executable, str(script), _ffi._ext.__file__, "--rows", "nope:2x3:fwd"],
                        capture_output=True, text=True, env=env)
   assert bad.returncode != 0 and "expected OP:SHAPE:PASS" in bad.stderr
+
+
+# ----------------------------------------------------------------------------
+# benchmarks/gpu_session.sh: the next GPU calls, checked without a GPU.
+
+_SESSION = _SCRIPT.parent / "gpu_session.sh"
+
+
+@pytest.mark.parametrize("plan", ["call-1", "call-2"])
+def test_gpu_session_plans_fit_their_seconds(plan, tmp_path):
+  """--dry-run: every stage of the plan known, each under its limit, all in the plan's seconds."""
+  import subprocess
+  run = subprocess.run(["bash", str(_SESSION), "--dry-run", plan], capture_output=True, text=True,
+                       cwd=_SCRIPT.parent.parent, env={**os.environ, "OUT": str(tmp_path)},
+                       timeout=60)
+  assert run.returncode == 0, run.stdout + run.stderr
+  lines = run.stdout.splitlines()
+  planned = re.search(r"planned: (\d+) s of (\d+) s", run.stdout)
+  assert planned and int(planned.group(1)) <= int(planned.group(2)), run.stdout
+  stages = lines[0].split("stages: ")[1].split()
+  assert [l.split()[0] for l in lines[1:-1]] == stages
+  assert not list(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_gpu_session_plans_name_what_the_scripts_know():
+  """The plans' settings name real things: gpu_sweep's configurations and rows, bench_models'
+  models, variants and tuning keys, the probe's options; an unknown stage stops a dry run."""
+  import subprocess
+  from jax_normgrad.pallas import config
+  text = _SESSION.read_text()
+  settings = dict(re.findall(r': "\$\{(\w+):=(.*)\}"', text))
+  sweep, bm = _load_script("gpu_sweep.py"), _load_script("bench_models.py")
+  assert set(settings["SWEEP_CONFIGS"].split(",")) <= set(sweep.CONFIGS)
+  assert set(settings["SWEEP_ROWS"].split(",")) <= {sweep._name(*r) for r in sweep.ROWS}
+  fields = config.KEYS
+  for model in re.findall(r"realistic-([a-z]\w*)", text):
+    assert model in bm.MODELS, model
+  for key, value in settings.items():
+    if key.startswith("VARIANTS_"):
+      kind = bm.MODELS[key.removeprefix("VARIANTS_")][0]
+      known = bm.unet_variants() if kind == "unet" else bm.TRANSFORMER_VARIANTS
+      for variant in value.split(","):
+        base, tuning = bm.split_variant(variant)
+        assert base in known and set(tuning) <= fields, variant
+  args = settings["PROBE_ARGS"].split()
+  assert set(args[::2]) <= {"--shapes", "--stages", "--calls", "--impls", "--dtype"}
+  assert all(re.fullmatch(r"\d+x\d+", s) for s in args[args.index("--shapes") + 1].split(","))
+  assert all(s.isdigit() for s in args[args.index("--stages") + 1].split(","))
+  bad = subprocess.run(["bash", str(_SESSION), "--dry-run", "60", "nosuch"], capture_output=True,
+                       text=True, cwd=_SCRIPT.parent.parent, timeout=60)
+  assert bad.returncode == 2 and "unknown stage nosuch" in bad.stdout

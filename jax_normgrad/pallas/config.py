@@ -184,6 +184,9 @@ class Trials:
 INTERPRET_PROGRAMS = 3
 
 _PARTS = {"tuning": Tuning, "device": Device, "trials": Trials}
+#: The names :func:`override` takes.
+KEYS = frozenset({f.name for cls in _PARTS.values() for f in dataclasses.fields(cls)}
+                 | {"interpret_programs"})
 
 
 @dataclasses.dataclass(frozen=True)
