@@ -204,10 +204,13 @@ def register_lowerings(prim, *, xla: Callable, ffi: Callable | None = None,
       impl = resolve(implementation, platform, prim.name, available)
       if platform == "tpu" and implementation is None and _auto_partitioned(ctx):
         warn_once(
-            f"jax_normgrad: {prim.name} is in a multi-device jit on TPU, where XLA would have to "
-            f"partition the Pallas (Mosaic) kernel, which it cannot (and JAX's custom_partitioning "
-            f"rules do not run on TPU); the pure-JAX reference ('xla') runs instead. Write the "
-            f"step with jax.shard_map to run the kernels on each device's local shapes.")
+            f"jax_normgrad: {prim.name} is in a multi-device jit on TPU over mesh axes that XLA "
+            f"partitions (Auto axes), where it would have to partition the Pallas (Mosaic) "
+            f"kernel, which it cannot (and JAX's custom_partitioning rules do not run on TPU); "
+            f"the pure-JAX reference ('xla') runs instead. Two ways run the kernels on each "
+            f"device's shard: make the mesh axes Explicit (jax.make_mesh(..., axis_types="
+            f"(jax.sharding.AxisType.Explicit, ...)) and jax.set_mesh), or write the step with "
+            f"jax.shard_map.")
         impl = "xla"
       fn = available.get(impl)
       if impl in GPU_BACKENDS or impl == "pallas":

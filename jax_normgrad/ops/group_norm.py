@@ -199,8 +199,8 @@ def _group_norm_vjp_bwd(layout, group, eps, channels_last, implementation, out_d
   dw = None if dw is None else dw.astype(weight.dtype)
   db = None if db is None else db.astype(bias.dtype)
   # Under shard_map a replicated weight's gradient is the psum of the local ones.
-  return (_sharding.sum_to_varying(dx, x), _sharding.sum_to_varying(dw, weight),
-          _sharding.sum_to_varying(db, bias))
+  return (_sharding.cotangent_like(dx, x), _sharding.cotangent_like(dw, weight),
+          _sharding.cotangent_like(db, bias))
 
 
 _group_norm.defvjp(_group_norm_vjp_fwd, _group_norm_vjp_bwd)

@@ -283,8 +283,8 @@ def _norm_layer_bwd(cfg, res, dy):
   dw = None if dw is None else dw.astype(weight.dtype)
   db = None if db is None else db.astype(bias.dtype)
   # Under shard_map a replicated weight's gradient is the psum of the local ones.
-  return (_sharding.sum_to_varying(dx, x_or_xhat), _sharding.sum_to_varying(dw, weight),
-          _sharding.sum_to_varying(db, bias))
+  return (_sharding.cotangent_like(dx, x_or_xhat), _sharding.cotangent_like(dw, weight),
+          _sharding.cotangent_like(db, bias))
 
 
 _norm_layer.defvjp(_norm_layer_fwd, _norm_layer_bwd)

@@ -402,7 +402,7 @@ def _call(lay: _Layout, order, kernel, inputs, outputs, *, interpret, name, scra
     )(*arrays)
 
   arrays = [a for _, a in inputs]
-  if isinstance(mode, pltpu.InterpretParams):
+  if not isinstance(mode, bool):  # TPU interpret mode's params
     return _in_own_computation(run, arrays)
   return run(*arrays)
 
