@@ -31,7 +31,9 @@ per shard in ``shard_map`` (``_shard_mapped``): the same on every backend.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 import warnings
 from typing import Callable, Sequence
 
@@ -135,6 +137,31 @@ def match_varying(args):
     return list(args)
   return [a if _varying(a) == union else
           _compat.pvary(a, tuple(sorted(union - _varying(a)))) for a in args]
+
+
+def reshape(a, shape):
+  """``a.reshape(shape)`` for the ops' views of x (rows, GroupNorm's ``(N, C, HW)``).
+
+  With explicit sharding JAX refuses a reshape that merges a sharded dim into
+  the dim before it (a minor position): such a dim, a normalized or spatial
+  one that the kernels need whole anyway, is gathered first, announced by
+  the :class:`ShardingWarning`.
+  """
+  if a.size == 0 or _compat.explicit_mesh([a]) is None:
+    return a.reshape(shape)
+  sharding = jax.typeof(a).sharding
+  spec = list(_spec_of(sharding, a.ndim))
+  starts = set(itertools.accumulate(shape, operator.mul, initial=1))  # where an output dim starts
+  inner = [d for d in range(a.ndim) if spec[d] is not None and math.prod(a.shape[:d]) not in starts]
+  for d in inner:
+    _warn_once(
+        f"jax_normgrad: an operand is sharded along an axis that the op merges into the "
+        f"normalized (or spatial) axes ({spec[d]!r}); it is re-sharded to replicated first (an "
+        f"all-gather per call). Shard only the leading (batch / token) dims instead.")
+    spec[d] = None
+  if inner:
+    a = jax.sharding.reshard(a, sharding.update(spec=PartitionSpec(*spec)))
+  return a.reshape(shape)
 
 
 def cotangent_like(cotangent, primal):

@@ -337,19 +337,22 @@ def test_explicit_vmap_and_second_order():
 
 
 @eight
-@pytest.mark.parametrize("op", ["layer_norm", "group_norm"])
-def test_explicit_normalized_axis_sharded_is_gathered_with_a_warning(op):
-  """A normalized axis sharded (LayerNorm's H, NHWC GroupNorm's spatial dims): gathered before
-  the kernels, announced once, the unsharded values; the results and gradients keep the
-  operands' sharding types."""
+@pytest.mark.parametrize("case", ["layer_norm", "group_norm_nhwc", "group_norm_nchw"])
+def test_explicit_normalized_axis_sharded_is_gathered_with_a_warning(case):
+  """A normalized axis sharded: LayerNorm's H; NHWC GroupNorm's H, merged with W into the
+  spatial axis; NCHW GroupNorm's W, merged into H as the minor dim (a reshape that JAX refuses
+  on a sharded dim). Gathered before the kernels, announced once, the unsharded values; the
+  gradients keep their primals' sharding types."""
   mesh = _explicit_mesh()
-  if op == "layer_norm":
+  if case == "layer_norm":
     x, spec, loss = X, P("data", None, "seq"), _ln_loss
-    args = (X, W, B)
   else:
-    x, spec = IMG, P("data", "seq", None, None)
-    loss = lambda x, w, b: jnp.sum(jn.group_norm(x, 8, w, b, channel_axis=-1) ** 3)
-    args = (IMG, W[:32], B[:32])
+    nchw = case == "group_norm_nchw"
+    x = jnp.moveaxis(IMG, -1, 1) if nchw else IMG
+    spec = P("data", None, None, "seq") if nchw else P("data", "seq", None, None)
+    loss = lambda x, w, b: jnp.sum(jn.group_norm(x, 8, w, b, channel_axis=1 if nchw else -1) ** 3)
+  c = x.shape[-1] if case != "group_norm_nchw" else x.shape[1]
+  args = (x, W[:c], B[:c])
   g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   want = g(*args)
   jn._sharding._warn_once.cache_clear()  # pylint: disable=protected-access
@@ -360,12 +363,13 @@ def test_explicit_normalized_axis_sharded_is_gathered_with_a_warning(op):
       got = g(*sharded)
       hlo = _hlo(g, *sharded)
   messages = [str(w.message) for w in caught if issubclass(w.category, jn.ShardingWarning)]
-  assert messages and all("normalized or parameter axis" in m for m in messages), messages
+  assert messages and all("re-sharded to replicated" in m for m in messages), messages
   for gr, w in zip(got, want):
     tolerances.assert_close(gr, np.asarray(w, np.float64), F32, x.size)
-  assert jax.typeof(got[0]).sharding.spec == spec
+  for gr, a in zip(got, sharded):
+    assert jax.typeof(gr).sharding.spec == jax.typeof(a).sharding.spec
   assert "all-gather" in hlo
-  assert f"jax_normgrad_{op}_bwd" in hlo
+  assert f"jax_normgrad_{case[:10]}_bwd" in hlo
 
 
 @eight

@@ -50,7 +50,7 @@ def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation, y
   ``forward``: what lowers it (see ``_implementation.forward_implementation``).
   """
   y, mean, rstd = _sharding.bind(
-      group_norm_fwd_p, x.reshape(_canonical_shape(n, c, hw, channels_last)),
+      group_norm_fwd_p, _sharding.reshape(x, _canonical_shape(n, c, hw, channels_last)),
       *present(as_f32(weight, (1, c)), as_f32(bias, (1, c))), eps=eps, group=group,
       channels_last=channels_last, has_weight=weight is not None, has_bias=bias is not None,
       param_groups=1, y_dtype=y_dtype, activation=activation, implementation=implementation,
@@ -68,8 +68,8 @@ def _bwd(dy, x, mean, rstd, gamma, n, c, hw, group, output_mask, channels_last, 
   shape = _canonical_shape(n, c, hw, channels_last)
   beta = beta if activation is not None else None
   outs = _sharding.bind(
-      group_norm_bwd_p, dy.reshape(shape), x.reshape(shape), as_f32(mean, (n, group)),
-      as_f32(rstd, (n, group)),
+      group_norm_bwd_p, _sharding.reshape(dy, shape), _sharding.reshape(x, shape),
+      as_f32(mean, (n, group)), as_f32(rstd, (n, group)),
       *present(as_f32(gamma, (1, c)), as_f32(beta, (1, c))), group=group,
       channels_last=channels_last, has_gamma=gamma is not None, has_beta=beta is not None,
       activation=activation, output_mask=output_mask, param_groups=1,

@@ -68,7 +68,8 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   rows = lead_shape + (h,)
   extra = {} if residual is None else dict(has_residual=True, h_dtype=h_dtype)
   outs = list(_sharding.bind(
-      layer_norm_fwd_p, x.reshape(rows), *present(None if residual is None else residual.reshape(rows)),
+      layer_norm_fwd_p, _sharding.reshape(x, rows),
+      *present(None if residual is None else _sharding.reshape(residual, rows)),
       *present(*kernel_params(weight, bias, (1, h), scale_offset)),
       lead=len(lead_shape), eps=eps, centered=centered, has_weight=weight is not None, has_bias=bias is not None,
       param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype, implementation=implementation,
@@ -111,9 +112,9 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   if dx_dy:
     extra["write_dx_dy"] = True
   outs = _sharding.bind(
-      layer_norm_bwd_p, dy.reshape(rows), x.reshape(rows), *stats,
+      layer_norm_bwd_p, _sharding.reshape(dy, rows), _sharding.reshape(x, rows), *stats,
       *present(kernel_params(weight, None, (1, h), scale_offset)[0]),
-      *present(None if dh is None else dh.reshape(rows)), lead=len(lead_shape),
+      *present(None if dh is None else _sharding.reshape(dh, rows)), lead=len(lead_shape),
       centered=centered,
       has_weight=weight is not None, output_mask=output_mask, param_groups=1,
       normalized=normalized, write_xhat=write_xhat, implementation=implementation, **extra)
