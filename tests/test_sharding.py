@@ -402,6 +402,25 @@ def test_explicit_step_exported_for_tpu_runs_the_pallas_kernels():
   assert "tpu_custom_call" not in auto
 
 
+@eight
+def test_explicit_step_exported_for_cuda_runs_the_triton_kernels():
+  """The model's step with Explicit axes exported for CUDA: the Triton kernels, no fallback,
+  no all-gather (the same shard_map as on every backend)."""
+  params = norm_model.params(64, 32)
+  step = jax.jit(jax.value_and_grad(norm_model.loss, argnums=(0, 1, 2)))
+  mesh = _explicit_mesh()
+  sds = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+  args = (jax.tree.map(lambda a: sds(a, P()), params), sds(X, P("data", "seq")),
+          sds(IMG, P(("data", "seq"))))
+  triton = "__gpu$xla.gpu.triton"
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("error", jn.FallbackWarning)
+    text = export_for("cuda", step, args, mesh=mesh,
+                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)]
+                      ).mlir_module()
+  assert triton in text and "jax_normgrad_norm_bwd" in text and "all_gather" not in text
+
+
 #: The implementations the shard_map tests run: the CPU kernels, and the Pallas
 #: kernels of GPU ("pallas") and TPU ("pallas-tpu"), interpreted.
 IMPLEMENTATIONS = ["ffi", "pallas", "pallas-tpu"]
