@@ -222,7 +222,9 @@ def bind(prim, *args, lead: int = 1, **params):
   if params.get("param_groups", 1) != 1 or not any(row_in) or lead < 1:
     return fn(*args)
   rows = (ROW,) + tuple(f"{ROW}{i}" for i in range(1, lead))
-  outs = jax.eval_shape(fn, *args)
+  # Shapes only: fn merges the lead dims, a reshape that explicit sharding may refuse on
+  # global types (jax < 0.9); fn itself only ever runs on local shards.
+  outs = jax.eval_shape(fn, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
   name = lambda i, a, r, is_row: (f"e{i}",) if a.shape == (0,) and not is_row else (
       rows + tuple(r[1:]) if is_row else tuple(r))
   in_factors = [name(i, a, r, w) for i, (a, r, w) in enumerate(zip(args, in_roles, row_in))]
@@ -245,7 +247,7 @@ def _shard_mapped(op: str, fn: Callable, args, mesh, in_factors, out_factors) ->
   operand sharded otherwise (a normalized or parameter axis, or rows that do
   not divide over their axes) is gathered first, announced by a
   :class:`ShardingWarning`; the parameter results are the devices' partial
-  sums ``psum``-ed over the row axes only. The Explicit axes are manual
+  sums added over the row axes only (an all-reduce). The Explicit axes are manual
   inside (``_compat.manual_axes``; an axis sharding no row sees replicated
   operands), so the kernel is lowered for each device's local shapes; Auto
   axes stay XLA's. ``vmap`` and JVP are ``shard_map``'s own (a mapped dim
@@ -262,13 +264,21 @@ def _shard_mapped(op: str, fn: Callable, args, mesh, in_factors, out_factors) ->
           for a, t, s in zip(args, types, in_specs)]
   reduced = [ROW not in f for f in out_factors]
 
+  stacked = [r and bool(row_axes) for r in reduced]
+
   def local(*shards):
+    # A parameter result is a sum over all rows: each device's partial sum, stacked
+    # along the row axes and added after the shard_map (one all-reduce over exactly
+    # those axes; a psum inside would be the same, but jax 0.8's vmap of it fails).
     outs = fn(*match_varying(shards))
-    return [jax.lax.psum(o, row_axes) if r and row_axes else o for o, r in zip(outs, reduced)]
+    return [o[None] if s else o for o, s in zip(outs, stacked)]
 
   out_specs = [spec(f) for f in out_factors]
-  outs = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+  outs = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+                       out_specs=[PartitionSpec(row_axes, *sp) if s else sp
+                                  for sp, s in zip(out_specs, stacked)],
                        axis_names=_compat.manual_axes(mesh, in_specs))(*args)
+  outs = [o.sum(0) if s else o for o, s in zip(outs, stacked)]
   like = {}
   for f, t in zip(in_factors, types):
     like.setdefault(f, t.sharding)

@@ -7,6 +7,7 @@ process the 8-device tests are skipped.
 """
 
 import contextlib
+import math
 import os
 import re
 import subprocess
@@ -75,12 +76,16 @@ if IN_CHILD:
 
   def _over_all_devices(line):
     """Whether an HLO all-reduce spans all 8 devices: ``replica_groups={{0,...,7}}``, or in
-    jax >= 0.12's HLO text ``replica_groups=mesh['a'=2,'b'=4] {'a','b'}`` (every mesh axis)."""
+    the mesh form of newer HLO text ``replica_groups=mesh['a'=2,'b'=4] {'a','b'}`` (axes of
+    all the devices: ``mesh['axis_0'=8,'axis_1'=1] {'axis_0'}`` too)."""
     if "replica_groups={{0,1,2,3,4,5,6,7}}" in line:
       return True
     m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-    return bool(m) and (set(re.findall(r"'(\w+)'=", m.group(1)))
-                        == set(re.findall(r"'(\w+)'", m.group(2))))
+    if not m:
+      return False
+    sizes = {a: int(n) for a, n in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+    group = re.findall(r"'(\w+)'", m.group(2))
+    return math.prod(sizes[a] for a in group) == math.prod(sizes.values()) == 8
 
   def _check_local(hlo, target, local_shape, *others):
     """No all-gather, and every ``target`` custom call reads a ``local_shape`` (or an ``others``)

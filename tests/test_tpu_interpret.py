@@ -76,8 +76,11 @@ def _tpu_interpreted(monkeypatch, capfd, *, cores=1, tiny=False):
   """Runs the TPU kernels lowered inside in TPU interpret mode; yields the names of the kernels
   called (each checked to run with the interpret mode's parameters). A race fails the test."""
   called = []
+  # The cores' field is num_cores_per_device in older jax (0.8).
+  fields = {f.name for f in dataclasses.fields(pltpu.InterpretParams)}
+  cores_field = "num_cores_or_threads" if "num_cores_or_threads" in fields else "num_cores_per_device"
   params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
-                                 num_cores_or_threads=cores)
+                                 **{cores_field: cores})
   real = pl.pallas_call
 
   def spy(*args, interpret=False, name=None, **kwargs):
