@@ -1,4 +1,4 @@
-"""Partitioning of the kernels under jit on many devices: one rule for every primitive, two ways to apply it.
+"""Partitioning of the kernels under jit on many devices: one rule for every primitive, two paths.
 
 Every operand and result of the primitives is either row-wise (x, dy, y, dx,
 xhat, the statistics: leading axis = rows for LayerNorm / RMSNorm, samples
@@ -260,7 +260,8 @@ def _shard_mapped(op: str, fn: Callable, args, mesh, in_factors, out_factors) ->
   row_axes = tuple(n for a in axes.values() for n in a)
   spec = lambda factors: PartitionSpec(*(axes.get(f) for f in factors))
   in_specs = [spec(f) for f in in_factors]
-  args = [a if _same_spec(t.sharding, s, a.ndim) else jax.sharding.reshard(a, NamedSharding(mesh, s))
+  args = [a if _same_spec(t.sharding, s, a.ndim)
+          else jax.sharding.reshard(a, NamedSharding(mesh, s))
           for a, t, s in zip(args, types, in_specs)]
   reduced = [ROW not in f for f in out_factors]
 

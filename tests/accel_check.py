@@ -462,13 +462,15 @@ def compile_tpu_model_step(generation: str = "v5e", *, explicit: bool = True) ->
   and a FallbackWarning fails; else Auto.
   """
   import norm_model  # pylint: disable=g-import-not-at-top
-  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import AxisType, Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
   axis_type = AxisType.Explicit if explicit else AxisType.Auto
   mesh = Mesh(np.array(tpu_device(generation)).reshape(2, 2), ("data", "seq"),
               axis_types=(axis_type,) * 2)
   sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, F32, sharding=NamedSharding(mesh, spec))
-  params = jax.tree.map(lambda a: sds(a.shape, P()), jax.eval_shape(lambda: norm_model.params(256, 64)))
+  shapes = jax.eval_shape(lambda: norm_model.params(256, 64))
+  params = jax.tree.map(lambda a: sds(a.shape, P()), shapes)
   args = (params, sds((8, 128, 256), P("data", "seq")), sds((8, 16, 16, 64), P(("data", "seq"))))
   step = jax.jit(jax.value_and_grad(norm_model.loss, argnums=(0, 1, 2)))
   with _no_fallback() if explicit else contextlib.nullcontext(), jax.set_mesh(mesh):

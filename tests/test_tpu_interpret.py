@@ -78,7 +78,8 @@ def _tpu_interpreted(monkeypatch, capfd, *, cores=1, tiny=False):
   called = []
   # The cores' field is num_cores_per_device in older jax (0.8).
   fields = {f.name for f in dataclasses.fields(pltpu.InterpretParams)}
-  cores_field = "num_cores_or_threads" if "num_cores_or_threads" in fields else "num_cores_per_device"
+  cores_field = ("num_cores_or_threads" if "num_cores_or_threads" in fields
+                 else "num_cores_per_device")
   params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
                                  **{cores_field: cores})
   real = pl.pallas_call
