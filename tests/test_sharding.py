@@ -302,7 +302,7 @@ def test_explicit_training_step_equals_the_unsharded_one():
   """A jitted training step with Explicit mesh axes: tokens sharded over both axes of a 2x4
   mesh, images over all eight devices, parameters replicated. Loss and every gradient equal
   the unsharded step's; each norm runs its CPU kernel on each device's local rows / samples
-  (no all-gather); the parameter gradients are psum-ed; every gradient keeps its primal's
+  (no all-gather); the parameter gradients all-reduced; every gradient keeps its primal's
   sharding type."""
   params = norm_model.params(64, 32)
   step = jax.jit(jax.value_and_grad(norm_model.loss, argnums=(0, 1, 2)))
