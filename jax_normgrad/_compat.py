@@ -73,6 +73,68 @@ def pvary(x, axes: tuple):
 
 
 # ----------------------------------------------------------------------------
+# Explicit sharding (``jax_normgrad._sharding``): mesh axes of type
+# ``AxisType.Explicit`` put each array's sharding in its type
+# (``jax.typeof(x).sharding``, a ``NamedSharding`` over an ``AbstractMesh``),
+# changed by ``jax.sharding.reshard``; ``jax.shard_map`` takes that mesh and
+# ``axis_names``; ``jax.sharding.get_abstract_mesh`` is the context's. All in
+# jax 0.8.1 to 0.12; a jax lacking any of it has no
+# explicit sharding, and the ops take the partitioning rule's path.
+
+
+def _explicit_type():
+  axis_type = getattr(jax.sharding, "AxisType", None)
+  explicit = getattr(axis_type, "Explicit", None)
+  if explicit is None or not all(hasattr(m, n) for m, n in (
+      (jax.sharding, "reshard"), (jax.sharding, "get_abstract_mesh"), (jax, "typeof"),
+      (jax, "shard_map"))):
+    return None
+  return explicit
+
+
+def explicit_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes of type Explicit (none with a jax without explicit sharding)."""
+  explicit = _explicit_type()
+  types = getattr(mesh, "axis_types", None) or ()
+  return tuple(n for n, t in zip(mesh.axis_names, types) if explicit is not None and t == explicit)
+
+
+def manual_axes(mesh, specs) -> frozenset:
+  """The ``axis_names`` of a ``shard_map`` over the Explicit axes of ``mesh``.
+
+  Where every axis is Explicit: the empty set, which ``shard_map`` reads as
+  all of them but those a ``vmap`` around it maps over (an explicitly
+  sharded mapped dim). Else the Explicit axes that ``specs`` (PartitionSpecs)
+  name.
+  """
+  if set(explicit_axes(mesh)) == set(mesh.axis_names):
+    return frozenset()
+  named = {n for spec in specs for entry in spec if entry is not None
+           for n in (entry if isinstance(entry, (tuple, list)) else (entry,))}
+  return frozenset(explicit_axes(mesh)) & named
+
+
+def explicit_mesh(arrays):
+  """The mesh of the arrays' sharding types where it has an Explicit axis of more than one device.
+
+  The context's abstract mesh where one is set (``jax.set_mesh``; inside
+  ``vmap`` it lacks the axes that shard the mapped dim, as ``shard_map``
+  expects), else the arrays' own. None where there is no such mesh (Auto
+  axes, one device, a jax without explicit sharding).
+  """
+  if _explicit_type() is None:
+    return None
+  context = jax.sharding.get_abstract_mesh()
+  meshes = [context] if not context.empty else [
+      getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None) for a in arrays]
+  for mesh in meshes:
+    if mesh is not None and not mesh.empty and any(
+        mesh.shape[n] > 1 for n in explicit_axes(mesh)):
+      return mesh
+  return None
+
+
+# ----------------------------------------------------------------------------
 # Pallas Mosaic GPU (``jax_normgrad.pallas.mosaic_gpu``).
 #
 # The kernels use ``plgpu.kernel(out_type=, scratch_types=, grid=, grid_names=,

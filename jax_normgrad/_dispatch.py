@@ -129,9 +129,12 @@ class _MosaicTpu(Implementation):
 
   def _cannot_run_here(self, request):
     if request.platform == "tpu" and request.auto_partitioned():
-      return ("the op is in a multi-device jit, where XLA would have to partition the Pallas "
-              "TPU kernel, which it cannot (JAX's custom_partitioning rules do not run on TPU); "
-              "write the step with jax.shard_map to run the kernels on each device's shard")
+      return ("the op is in a multi-device jit over mesh axes that XLA partitions (Auto axes), "
+              "where it would have to partition the Pallas TPU kernel, which it cannot (JAX's "
+              "custom_partitioning rules do not run on TPU). Two ways run the kernels on each "
+              "device's shard: make the mesh axes Explicit (jax.make_mesh(..., axis_types="
+              "(jax.sharding.AxisType.Explicit, ...)) and jax.set_mesh), or write the step "
+              "with jax.shard_map")
     return None
 
 

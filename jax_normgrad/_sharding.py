@@ -1,4 +1,4 @@
-"""Partitioning of the kernels under jit on many devices: one custom_partitioning rule for every primitive.
+"""Partitioning of the kernels under jit on many devices: one rule for every primitive, two paths.
 
 Every operand and result of the primitives is either row-wise (x, dy, y, dx,
 xhat, the statistics: leading axis = rows for LayerNorm / RMSNorm, samples
@@ -18,14 +18,22 @@ for GroupNorm) or a parameter array (weight, bias and their gradients, shape
 
 The public ops call :func:`bind` instead of ``prim.bind``. On one device and
 inside ``shard_map`` (all mesh axes manual) JAX inlines the kernel as
-before; :func:`match_varying` and :func:`sum_to_varying` give the ops and
-layers ``shard_map``'s varying-axes typing.
+before. With Auto mesh axes the rule is a ``custom_partitioning`` rule,
+applied by XLA's partitioner when it meets the call (on CPU and GPU: libtpu
+calls no such rule, see ``_partitioned``). With Explicit mesh axes
+(``jax.set_mesh``, ``AxisType.Explicit``) the operands' shardings are in
+their types, and :func:`bind` applies the rule itself, running the kernel
+per shard in ``shard_map`` (``_shard_mapped``): the same on every backend.
+:func:`match_varying` and :func:`cotangent_like` give the ops and layers
+``shard_map``'s varying-axes typing (and explicit sharding's cotangent types).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 import warnings
 from typing import Callable, Sequence
 
@@ -131,17 +139,51 @@ def match_varying(args):
           _compat.pvary(a, tuple(sorted(union - _varying(a)))) for a in args]
 
 
-def sum_to_varying(cotangent, primal):
-  """A custom_vjp cotangent reduced to its primal's varying axes (the transpose of a pcast).
+def reshape(a, shape):
+  """``a.reshape(shape)`` for the ops' views of x (rows, GroupNorm's ``(N, C, HW)``).
+
+  With explicit sharding JAX refuses a reshape that merges a sharded dim into
+  the dim before it (a minor position): such a dim, a normalized or spatial
+  one that the kernels need whole anyway, is gathered first, announced by
+  the :class:`ShardingWarning`.
+  """
+  if a.size == 0 or _compat.explicit_mesh([a]) is None:
+    return a.reshape(shape)
+  sharding = jax.typeof(a).sharding
+  spec = list(_spec_of(sharding, a.ndim))
+  starts = set(itertools.accumulate(shape, operator.mul, initial=1))  # where an output dim starts
+  inner = [d for d in range(a.ndim) if spec[d] is not None and math.prod(a.shape[:d]) not in starts]
+  for d in inner:
+    _warn_once(
+        f"jax_normgrad: an operand is sharded along an axis that the op merges into the "
+        f"normalized (or spatial) axes ({spec[d]!r}); it is re-sharded to replicated first (an "
+        f"all-gather per call). Shard only the leading (batch / token) dims instead.")
+    spec[d] = None
+  if inner:
+    a = jax.sharding.reshard(a, sharding.update(spec=PartitionSpec(*spec)))
+  return a.reshape(shape)
+
+
+def cotangent_like(cotangent, primal):
+  """A custom_vjp cotangent given its primal's type: its varying axes, its explicit sharding.
 
   In a custom_vjp backward under ``shard_map``, a replicated weight's gradient
   computed from sharded rows varies over the row axes: its ``psum`` over
-  them is the gradient of the replicated weight, as for a jnp layer.
+  them (the transpose of a pcast) is the gradient of the replicated weight,
+  as for a jnp layer. With explicit sharding, JAX requires a cotangent of
+  its primal's sharding: one the kernels' call left otherwise (a gathered
+  axis, a bias sharded unlike the weight) is resharded.
   """
   if cotangent is None:
     return None
   extra = _varying(cotangent) - _varying(primal)
-  return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+  if extra:
+    cotangent = jax.lax.psum(cotangent, tuple(sorted(extra)))
+  if _compat.explicit_mesh([primal]) is not None:
+    want = jax.typeof(primal).sharding
+    if not _same_spec(want, jax.typeof(cotangent).sharding.spec, cotangent.ndim):
+      cotangent = jax.sharding.reshard(cotangent, want)
+  return cotangent
 
 
 def bind(prim, *args, lead: int = 1, **params):
@@ -180,13 +222,75 @@ def bind(prim, *args, lead: int = 1, **params):
   if params.get("param_groups", 1) != 1 or not any(row_in) or lead < 1:
     return fn(*args)
   rows = (ROW,) + tuple(f"{ROW}{i}" for i in range(1, lead))
-  outs = jax.eval_shape(fn, *args)
+  # Shapes only: fn merges the lead dims, a reshape that explicit sharding may refuse on
+  # global types (jax < 0.9); fn itself only ever runs on local shards.
+  outs = jax.eval_shape(fn, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
   name = lambda i, a, r, is_row: (f"e{i}",) if a.shape == (0,) and not is_row else (
       rows + tuple(r[1:]) if is_row else tuple(r))
   in_factors = [name(i, a, r, w) for i, (a, r, w) in enumerate(zip(args, in_roles, row_in))]
   out_factors = [name(len(args) + i, o, r, w)
                  for i, (o, r, w) in enumerate(zip(outs, out_roles, row_out))]
+  mesh = _compat.explicit_mesh(args)
+  if mesh is not None:
+    return _shard_mapped(prim.name, fn, args, mesh, in_factors, out_factors)
   return _partitioned(prim.name, fn, in_factors, out_factors)(*args)
+
+
+def _shard_mapped(op: str, fn: Callable, args, mesh, in_factors, out_factors) -> list:
+  """``fn`` run per shard in ``shard_map`` over the Explicit axes of ``mesh`` (explicit sharding).
+
+  With explicit mesh axes (``jax.set_mesh``, ``AxisType.Explicit``) every
+  operand's sharding is part of its type, known while tracing: the rule of
+  :func:`_partitioned` is applied here, with no partitioner callback, so it
+  holds on every backend (libtpu calls no ``custom_partitioning`` rule).
+  The rows keep the sharding of the first operand sharded on them; an
+  operand sharded otherwise (a normalized or parameter axis, or rows that do
+  not divide over their axes) is gathered first, announced by a
+  :class:`ShardingWarning`; the parameter results are the devices' partial
+  sums added over the row axes only (an all-reduce). The Explicit axes are manual
+  inside (``_compat.manual_axes``; an axis sharding no row sees replicated
+  operands), so the kernel is lowered for each device's local shapes; Auto
+  axes stay XLA's. ``vmap`` and JVP are ``shard_map``'s own (a mapped dim
+  sharded over an axis stays sharded). A result comes back with the
+  sharding of the first operand of the same axes (y and h like x, dx like
+  dy, dweight like weight) where a gather changed it.
+  """
+  types = [jax.typeof(a) for a in args]
+  axes = _row_axes(mesh, types, in_factors, op)
+  row_axes = tuple(n for a in axes.values() for n in a)
+  spec = lambda factors: PartitionSpec(*(axes.get(f) for f in factors))
+  in_specs = [spec(f) for f in in_factors]
+  args = [a if _same_spec(t.sharding, s, a.ndim)
+          else jax.sharding.reshard(a, NamedSharding(mesh, s))
+          for a, t, s in zip(args, types, in_specs)]
+  reduced = [ROW not in f for f in out_factors]
+
+  stacked = [r and bool(row_axes) for r in reduced]
+
+  def local(*shards):
+    # A parameter result is a sum over all rows: each device's partial sum, stacked
+    # along the row axes and added after the shard_map (one all-reduce over exactly
+    # those axes; a psum inside would be the same, but jax 0.8's vmap of it fails).
+    outs = fn(*match_varying(shards))
+    return [o[None] if s else o for o, s in zip(outs, stacked)]
+
+  out_specs = [spec(f) for f in out_factors]
+  outs = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+                       out_specs=[PartitionSpec(row_axes, *sp) if s else sp
+                                  for sp, s in zip(out_specs, stacked)],
+                       axis_names=_compat.manual_axes(mesh, in_specs))(*args)
+  outs = [o.sum(0) if s else o for o, s in zip(outs, stacked)]
+  like = {}
+  for f, t in zip(in_factors, types):
+    like.setdefault(f, t.sharding)
+  return [o if f not in like or _same_spec(like[f], s, o.ndim) else jax.sharding.reshard(o, like[f])
+          for o, f, s in zip(outs, out_factors, out_specs)]
+
+
+def _same_spec(sharding, spec, ndim) -> bool:
+  """Whether ``sharding`` (a NamedSharding) shards as ``spec`` (a PartitionSpec) does."""
+  norm = lambda sp: tuple(_axes_of(e) for e in tuple(sp) + (None,) * (ndim - len(tuple(sp))))
+  return norm(getattr(sharding, "spec", None) or ()) == norm(spec)
 
 
 def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
@@ -252,7 +356,8 @@ def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
     # libtpu's compiler does not call (jax-ml/jax#38196: "Custom emitter for
     # CustomSPMDPartitioning not found"), and XLA cannot partition a Mosaic kernel
     # either: on TPU the call is left to the lowering (_dispatch: the
-    # reference, announced, in a multi-device jit; the kernel inside shard_map).
+    # reference, announced, in a multi-device jit; the kernel inside shard_map,
+    # and with Explicit mesh axes, _shard_mapped).
     return tuple(fn(*args))
 
   @jax.custom_jvp

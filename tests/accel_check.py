@@ -15,7 +15,9 @@ cases of :data:`CASES`):
 * **TPU (Mosaic).** Each case is compiled with libtpu's compiler, Mosaic
   included, for v4, v5e, v5p and v6e topologies described without a TPU
   (``jax.experimental.topologies.get_topology_desc``); a kernel Mosaic cannot
-  compile fails there.
+  compile fails there. So is a training step of a small model with every norm
+  (``tests/norm_model.py``) jitted with Explicit mesh axes over a v5e 2x2
+  topology (``compile_tpu_model_step``): the kernels per chip.
 
 Why it reaches into JAX's internals (a test tool, not library code): the
 TTIR is only available inside the Pallas Triton lowering. The exported
@@ -450,6 +452,31 @@ def compile_tpu(case: Case, generation: str) -> str:
   return text
 
 
+def compile_tpu_model_step(generation: str = "v5e", *, explicit: bool = True) -> str:
+  """``norm_model``'s jitted training step over a 2x2 mesh of ``generation``'s 4-chip topology,
+  compiled by libtpu; the optimized HLO text.
+
+  Tokens (8, 128, 256) sharded over both mesh axes, images (8, 16, 16, 64) over
+  all four chips, parameters replicated. ``explicit``: the mesh axes are
+  Explicit (the ops run the kernels per shard, ``_sharding._shard_mapped``),
+  and a FallbackWarning fails; else Auto.
+  """
+  import norm_model  # pylint: disable=g-import-not-at-top
+  from jax.sharding import AxisType, Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  axis_type = AxisType.Explicit if explicit else AxisType.Auto
+  mesh = Mesh(np.array(tpu_device(generation)).reshape(2, 2), ("data", "seq"),
+              axis_types=(axis_type,) * 2)
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, F32, sharding=NamedSharding(mesh, spec))
+  shapes = jax.eval_shape(lambda: norm_model.params(256, 64))
+  params = jax.tree.map(lambda a: sds(a.shape, P()), shapes)
+  args = (params, sds((8, 128, 256), P("data", "seq")), sds((8, 16, 16, 64), P(("data", "seq"))))
+  step = jax.jit(jax.value_and_grad(norm_model.loss, argnums=(0, 1, 2)))
+  with _no_fallback() if explicit else contextlib.nullcontext(), jax.set_mesh(mesh):
+    return step.lower(*args).compile().as_text()
+
+
 def tools_missing() -> str | None:
   """Why the checks cannot run here (None when they can)."""
   try:
@@ -495,6 +522,8 @@ def main(argv=None) -> int:
         compile_tpu(case, gen)
     print(f"TPU: {len(CASES) * len(TPU_TOPOLOGIES)} compiled ({len(CASES)} cases x "
           f"{', '.join(TPU_TOPOLOGIES)})")
+    calls = compile_tpu_model_step().count('custom_call_target="tpu_custom_call"')
+    print(f"TPU: the explicitly sharded model step on v5e 2x2: {calls} Mosaic calls")
   return 1 if spills else 0
 
 

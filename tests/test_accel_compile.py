@@ -9,6 +9,7 @@ named, the tests skip with the reason. CI (.ci/accel-check) sets
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import numpy as np
@@ -127,6 +128,27 @@ def test_tpu_sharded_jit_compiles_on_the_reference_with_a_warning():
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     hlo = _sharded_step(shard_map=False)
+  # The warning names both ways to the kernels: Explicit mesh axes, or shard_map.
   assert any(issubclass(w.category, jn.FallbackWarning) and "shard_map" in str(w.message)
-             for w in caught), [str(w.message) for w in caught]
+             and "Explicit" in str(w.message) for w in caught), [str(w.message) for w in caught]
   assert "tpu_custom_call" not in hlo and "all-gather" not in hlo
+
+
+@needs_tools
+def test_tpu_explicitly_sharded_model_step_runs_the_kernels_in_every_norm():
+  """tests/norm_model's training step (LayerNorm, add_layer_norm, add_rms_norm, RMSNorm,
+  GroupNorm NHWC and NCHW) jitted with Explicit mesh axes over a v5e 2x2 topology: every norm
+  is a Mosaic kernel each way on each chip's local shapes (256 of the 1024 token rows, 2 of
+  the 8 images), no fallback (a FallbackWarning fails), no all-gather; the parameter
+  gradients all-reduced."""
+  import norm_model
+
+  hlo = ac.compile_tpu_model_step("v5e")
+  calls = [l for l in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in l]
+  for direction in ("fwd", "bwd"):
+    named = [l for l in calls if re.match(rf"\s*(ROOT )?%jax_normgrad_norm_{direction}\b", l)]
+    assert len(named) >= norm_model.NORMS, (direction, len(named))
+  for line in calls:
+    assert not re.search(r"f32\[1,(1024|8),", line), line[:300]  # global rows or images
+  assert "all-gather" not in hlo
+  assert "all-reduce" in hlo

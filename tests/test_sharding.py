@@ -7,6 +7,7 @@ process the 8-device tests are skipped.
 """
 
 import contextlib
+import math
 import os
 import re
 import subprocess
@@ -75,23 +76,28 @@ if IN_CHILD:
 
   def _over_all_devices(line):
     """Whether an HLO all-reduce spans all 8 devices: ``replica_groups={{0,...,7}}``, or in
-    jax >= 0.12's HLO text ``replica_groups=mesh['a'=2,'b'=4] {'a','b'}`` (every mesh axis)."""
+    the mesh form of newer HLO text ``replica_groups=mesh['a'=2,'b'=4] {'a','b'}`` (axes of
+    all the devices: ``mesh['axis_0'=8,'axis_1'=1] {'axis_0'}`` too)."""
     if "replica_groups={{0,1,2,3,4,5,6,7}}" in line:
       return True
     m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-    return bool(m) and (set(re.findall(r"'(\w+)'=", m.group(1)))
-                        == set(re.findall(r"'(\w+)'", m.group(2))))
+    if not m:
+      return False
+    sizes = {a: int(n) for a, n in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+    group = re.findall(r"'(\w+)'", m.group(2))
+    return math.prod(sizes[a] for a in group) == math.prod(sizes.values()) == 8
 
-  def _check_local(hlo, target, local_shape):
-    """No all-gather, and every ``target`` custom call reads a ``local_shape`` operand."""
+  def _check_local(hlo, target, local_shape, *others):
+    """No all-gather, and every ``target`` custom call reads a ``local_shape`` (or an ``others``)
+    operand."""
     assert "all-gather" not in hlo
     calls = [l for l in hlo.splitlines() if f'custom_call_target="{target}"' in l]
     assert calls, f"no {target} call in the HLO"
-    local = "f32[" + ",".join(map(str, local_shape)) + "]"
+    shapes = ["f32[" + ",".join(map(str, s)) + "]" for s in (local_shape,) + others]
     for line in calls:
       # operand_layout_constraints lists the operands' (local) shapes.
-      operands = line.split("operand_layout_constraints=")[1]
-      assert local in operands.split("}, ")[0], (local, line[:400])
+      operands = line.split("operand_layout_constraints=")[1].split("}, ")[0]
+      assert any(s in operands for s in shapes), (shapes, line[:400])
 
   def _ref_ln(x, w, b, centered=True, eps=1e-5):
     m = x.mean(-1, keepdims=True) if centered else 0.0
@@ -260,6 +266,164 @@ def test_vmap_and_jvp_under_a_mesh():
   _close(f(_put(xs, mesh, "d"), _put(ws, mesh, "d")), f(xs, ws))
   h = jax.jit(lambda x, t: jax.jvp(lambda x: jn.layer_norm_fwd(x, 64, W)[0], (x,), (t,)))
   _close(h(_put(X, mesh, "d"), _put(X, mesh, "d")), h(X, X))
+
+
+# ----------------------------------------------------------------------------
+# Explicit mesh axes: the shardings are in the types, and the ops run the kernels per
+# shard in shard_map themselves (_sharding._shard_mapped), on every backend.
+
+if IN_CHILD:
+  import norm_model
+  import tolerances
+
+  def _explicit_mesh(shape=(2, 4), names=("data", "seq")):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+
+  IMG = _normal(40, (8, 4, 4, 32))
+  #: Every kernel of the model's step and the (local) operand shapes it may see:
+  #: tokens (8, 16) over (2, 4) devices, 16 local rows; images 8 over 8, one sample (NHWC
+  #: and NCHW).
+  MODEL_KERNELS = {"jax_normgrad_layer_norm_fwd": [(16, 64)],
+                   "jax_normgrad_layer_norm_bwd": [(16, 64)],
+                   "jax_normgrad_group_norm_fwd": [(1, 16, 32), (1, 32, 16)],
+                   "jax_normgrad_group_norm_apply": [(1, 16, 32)],
+                   "jax_normgrad_group_norm_bwd": [(1, 16, 32), (1, 32, 16)]}
+
+  def _assert_steps_equal(got, want):
+    """Loss and gradients of a sharded step against the unsharded one's, in the tolerance table's
+    terms: float32 sums over at most every element of x."""
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+      assert g.shape == w.shape, path
+      tolerances.assert_close(g, np.asarray(w, np.float64), F32, X.size, str(path))
+
+
+@eight
+def test_explicit_training_step_equals_the_unsharded_one():
+  """A jitted training step with Explicit mesh axes: tokens sharded over both axes of a 2x4
+  mesh, images over all eight devices, parameters replicated. Loss and every gradient equal
+  the unsharded step's; each norm runs its CPU kernel on each device's local rows / samples
+  (no all-gather); the parameter gradients all-reduced; every gradient keeps its primal's
+  sharding type."""
+  params = norm_model.params(64, 32)
+  step = jax.jit(jax.value_and_grad(norm_model.loss, argnums=(0, 1, 2)))
+  want = step(params, X, IMG)
+  mesh = _explicit_mesh()
+  with jax.set_mesh(mesh):
+    args = (jax.device_put(params, P()), jax.device_put(X, P("data", "seq")),
+            jax.device_put(IMG, P(("data", "seq"))))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", jn.ShardingWarning)
+      got = step(*args)
+      hlo = _hlo(step, *args)
+  _assert_steps_equal(got, want)
+  for grad, arg in zip(jax.tree.leaves(got[1]), jax.tree.leaves(args)):
+    assert jax.typeof(grad).sharding.spec == jax.typeof(arg).sharding.spec
+  for target, shapes in MODEL_KERNELS.items():
+    _check_local(hlo, target, *shapes)
+  assert "all-reduce(" in hlo or "all-reduce-start(" in hlo
+
+
+@eight
+def test_explicit_vmap_and_second_order():
+  """vmap over an explicitly sharded dim (per-example gradients: the mapped dim stays sharded)
+  and grad of grad: the unsharded values."""
+  mesh = _explicit_mesh()
+  xs, ws = _normal(41, (8, 16, 64)), 1.0 + 0.1 * _normal(42, (8, 64))
+  per_example = jax.jit(jax.vmap(jax.grad(
+      lambda x, w: jnp.sum(jn.layer_norm(x, w) ** 2 * jnp.cos(jnp.arange(64))), argnums=(0, 1))))
+  second = jax.jit(jax.grad(lambda x: jnp.sum(jax.grad(
+      lambda x: jnp.sum(jn.rms_norm(x, W) ** 3))(x) ** 2)))
+  want = per_example(xs, ws), second(X)
+  with jax.set_mesh(mesh):
+    got = (per_example(jax.device_put(xs, P("data", "seq")), jax.device_put(ws, P("data"))),
+           second(jax.device_put(X, P("data", "seq"))))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    tolerances.assert_close(g, np.asarray(w, np.float64), F32, X.size)
+
+
+@eight
+@pytest.mark.parametrize("case", ["layer_norm", "group_norm_nhwc", "group_norm_nchw"])
+def test_explicit_normalized_axis_sharded_is_gathered_with_a_warning(case):
+  """A normalized axis sharded: LayerNorm's H; NHWC GroupNorm's H, merged with W into the
+  spatial axis; NCHW GroupNorm's W, merged into H as the minor dim (a reshape that JAX refuses
+  on a sharded dim). Gathered before the kernels, announced once, the unsharded values; the
+  gradients keep their primals' sharding types."""
+  mesh = _explicit_mesh()
+  if case == "layer_norm":
+    x, spec, loss = X, P("data", None, "seq"), _ln_loss
+  else:
+    nchw = case == "group_norm_nchw"
+    x = jnp.moveaxis(IMG, -1, 1) if nchw else IMG
+    spec = P("data", None, None, "seq") if nchw else P("data", "seq", None, None)
+    loss = lambda x, w, b: jnp.sum(jn.group_norm(x, 8, w, b, channel_axis=1 if nchw else -1) ** 3)
+  c = x.shape[-1] if case != "group_norm_nchw" else x.shape[1]
+  args = (x, W[:c], B[:c])
+  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  want = g(*args)
+  jn._sharding._warn_once.cache_clear()  # pylint: disable=protected-access
+  with jax.set_mesh(mesh):
+    sharded = (jax.device_put(x, spec), *jax.device_put(args[1:], P()))
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      got = g(*sharded)
+      hlo = _hlo(g, *sharded)
+  messages = [str(w.message) for w in caught if issubclass(w.category, jn.ShardingWarning)]
+  assert messages and all("re-sharded to replicated" in m for m in messages), messages
+  for gr, w in zip(got, want):
+    tolerances.assert_close(gr, np.asarray(w, np.float64), F32, x.size)
+  for gr, a in zip(got, sharded):
+    assert jax.typeof(gr).sharding.spec == jax.typeof(a).sharding.spec
+  assert "all-gather" in hlo
+  assert f"jax_normgrad_{case[:10]}_bwd" in hlo
+
+
+@eight
+def test_explicit_step_exported_for_tpu_runs_the_pallas_kernels():
+  """The model's step with Explicit axes, exported for TPU from the CPU devices: every norm is
+  the Pallas TPU kernel on local shapes, no fallback. With Auto axes the same step falls back
+  to the reference on TPU, and the warning names both ways to the kernels."""
+  from jax_normgrad import _fallback
+  params = norm_model.params(64, 32)
+  step = jax.jit(jax.value_and_grad(norm_model.loss, argnums=(0, 1, 2)))
+  texts = {}
+  for axis_type in (AxisType.Explicit, AxisType.Auto):
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(axis_type,) * 2)
+    sds = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                               sharding=NamedSharding(mesh, spec))
+    args = (jax.tree.map(lambda a: sds(a, P()), params), sds(X, P("data", "seq")),
+            sds(IMG, P(("data", "seq"))))
+    _fallback.warn_once.cache_clear()
+    with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      texts[axis_type] = jax.export.export(step, platforms=["tpu"])(*args).mlir_module()
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, jn.FallbackWarning)]
+    if axis_type == AxisType.Explicit:
+      assert not fallbacks, fallbacks
+    else:
+      assert fallbacks and all("Explicit" in m and "jax.shard_map" in m for m in fallbacks)
+  explicit, auto = texts[AxisType.Explicit], texts[AxisType.Auto]
+  assert "jax_normgrad_norm_fwd" in explicit and "jax_normgrad_norm_bwd" in explicit
+  assert "tpu_custom_call" in explicit and "all_gather" not in explicit
+  assert "tpu_custom_call" not in auto
+
+
+@eight
+def test_explicit_step_exported_for_cuda_runs_the_triton_kernels():
+  """The model's step with Explicit axes exported for CUDA: the Triton kernels, no fallback,
+  no all-gather (the same shard_map as on every backend)."""
+  params = norm_model.params(64, 32)
+  step = jax.jit(jax.value_and_grad(norm_model.loss, argnums=(0, 1, 2)))
+  mesh = _explicit_mesh()
+  sds = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+  args = (jax.tree.map(lambda a: sds(a, P()), params), sds(X, P("data", "seq")),
+          sds(IMG, P(("data", "seq"))))
+  triton = "__gpu$xla.gpu.triton"
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("error", jn.FallbackWarning)
+    text = export_for("cuda", step, args, mesh=mesh,
+                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)]
+                      ).mlir_module()
+  assert triton in text and "jax_normgrad_norm_bwd" in text and "all_gather" not in text
 
 
 #: The implementations the shard_map tests run: the CPU kernels, and the Pallas

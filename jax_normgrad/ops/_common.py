@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_normgrad import _sharding
+
 F32 = jnp.float32
 
 
@@ -22,7 +24,7 @@ def kernel_params(weight, bias, shape, scale_offset=0.0):
   nothing to it, and bias goes to float32 with it (the kernels take the two
   in one dtype). None stays None.
   """
-  weight, bias = (None if a is None else a.reshape(shape) for a in (weight, bias))
+  weight, bias = (None if a is None else _sharding.reshape(a, shape) for a in (weight, bias))
   if weight is not None and scale_offset != 0.0:
     weight = weight.astype(F32) + jnp.float32(scale_offset)
     bias = as_f32(bias, shape)

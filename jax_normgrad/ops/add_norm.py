@@ -82,8 +82,8 @@ def _add_norm_layer_bwd(cfg, res, cotangents):
     db = None if db is None else db.astype(bias.dtype)
   # One gradient for x and residual (d h / d x = d h / d residual = 1), in each one's dtype.
   dx, dres = (_in_dtype(dg, dg_narrow, cfg.x_dtype), _in_dtype(dg, dg_narrow, cfg.residual_dtype))
-  return (_sharding.sum_to_varying(dx, h), _sharding.sum_to_varying(dres, h),
-          _sharding.sum_to_varying(dw, weight), _sharding.sum_to_varying(db, bias))
+  return (_sharding.cotangent_like(dx, h), _sharding.cotangent_like(dres, h),
+          _sharding.cotangent_like(dw, weight), _sharding.cotangent_like(db, bias))
 
 
 def _in_dtype(dg, dg_narrow, dtype):

@@ -50,8 +50,9 @@ def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation, y
 
   ``forward``: what lowers it (see ``_dispatch.choose``).
   """
-  args, operands = pack(GroupNormFwd(x.reshape(_canonical_shape(n, c, hw, channels_last)),
-                                     as_f32(weight, (1, c)), as_f32(bias, (1, c))))
+  shape = _canonical_shape(n, c, hw, channels_last)
+  args, operands = pack(GroupNormFwd(_sharding.reshape(x, shape), as_f32(weight, (1, c)),
+                                     as_f32(bias, (1, c))))
   y, mean, rstd = _sharding.bind(
       group_norm_fwd_p, *args, operands=operands, eps=eps, group=group,
       channels_last=channels_last, param_groups=1, y_dtype=y_dtype, activation=activation,
@@ -68,7 +69,7 @@ def _bwd(dy, x, mean, rstd, gamma, n, c, hw, group, output_mask, channels_last, 
   """
   shape = _canonical_shape(n, c, hw, channels_last)
   beta = beta if activation is not None else None
-  args, operands = pack(GroupNormBwd(dy.reshape(shape), x.reshape(shape),
+  args, operands = pack(GroupNormBwd(_sharding.reshape(dy, shape), _sharding.reshape(x, shape),
                                      as_f32(mean, (n, group)), as_f32(rstd, (n, group)),
                                      as_f32(gamma, (1, c)), as_f32(beta, (1, c))))
   outs = _sharding.bind(
@@ -200,8 +201,8 @@ def _group_norm_vjp_bwd(layout, group, eps, channels_last, implementation, out_d
   dw = None if dw is None else dw.astype(weight.dtype)
   db = None if db is None else db.astype(bias.dtype)
   # Under shard_map a replicated weight's gradient is the psum of the local ones.
-  return (_sharding.sum_to_varying(dx, x), _sharding.sum_to_varying(dw, weight),
-          _sharding.sum_to_varying(db, bias))
+  return (_sharding.cotangent_like(dx, x), _sharding.cotangent_like(dw, weight),
+          _sharding.cotangent_like(db, bias))
 
 
 _group_norm.defvjp(_group_norm_vjp_fwd, _group_norm_vjp_bwd)

@@ -40,7 +40,9 @@ def _check_forward_args(x, normalized_shape, weight, bias):
 
 
 def _reshaped(a, shape):
-  return None if a is None else a.reshape(shape)
+  """``a`` viewed as ``shape`` (``_sharding.reshape``: a sharded dim it would merge into a
+  minor position is gathered first); None stays None."""
+  return None if a is None else _sharding.reshape(a, shape)
 
 
 def _rows_and_width(x, norm_ndim):
@@ -72,7 +74,7 @@ def _fwd(x, weight, bias, norm_ndim, eps, implementation, *, centered=True, scal
   lead_shape = x.shape[:lead] or (1,)
   rows = lead_shape + (h,)
   weight, bias = kernel_params(weight, bias, (1, h), scale_offset)
-  args, operands = pack(NormFwd(x.reshape(rows), _reshaped(residual, rows), weight, bias))
+  args, operands = pack(NormFwd(_reshaped(x, rows), _reshaped(residual, rows), weight, bias))
   outs = list(_sharding.bind(
       layer_norm_fwd_p, *args, lead=len(lead_shape), operands=operands, eps=eps,
       centered=centered, param_groups=1, write_xhat=write_xhat, y_dtype=y_dtype,
@@ -112,7 +114,7 @@ def _bwd(dy, x, mean, rstd, weight, output_mask, norm_ndim, implementation, *, c
   mean = as_f32(mean, lead_shape) if centered and not normalized else None
   # An unused rstd travels as an empty operand (the kernel checks it is one).
   rstd = jnp.zeros((0,), F32) if rstd is None else as_f32(rstd, lead_shape)
-  args, operands = pack(NormBwd(dy.reshape(rows), x.reshape(rows), mean, rstd,
+  args, operands = pack(NormBwd(_reshaped(dy, rows), _reshaped(x, rows), mean, rstd,
                                 kernel_params(weight, None, (1, h), scale_offset)[0],
                                 _reshaped(dh, rows)))
   outs = _sharding.bind(
@@ -285,8 +287,8 @@ def _norm_layer_bwd(cfg, res, dy):
   dw = None if dw is None else dw.astype(weight.dtype)
   db = None if db is None else db.astype(bias.dtype)
   # Under shard_map a replicated weight's gradient is the psum of the local ones.
-  return (_sharding.sum_to_varying(dx, x_or_xhat), _sharding.sum_to_varying(dw, weight),
-          _sharding.sum_to_varying(db, bias))
+  return (_sharding.cotangent_like(dx, x_or_xhat), _sharding.cotangent_like(dw, weight),
+          _sharding.cotangent_like(db, bias))
 
 
 _norm_layer.defvjp(_norm_layer_fwd, _norm_layer_bwd)

@@ -15,14 +15,23 @@ that NaN garbage cannot leak). A segment too long for one block is done in
 two kernels: one accumulates its statistics over the chunks, the other
 uses them. float16, which Mosaic handles on few chips, is computed in
 float32 (converted outside the kernels).
+
+Interpreted (``interpret=True``, on CPU) the kernels run under Pallas'
+generic interpreter, or under its TPU interpret mode inside
+``tpu_interpret_mode`` (tests): simulated VMEM and TensorCores, race
+detection, uninitialized memory NaN.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -76,15 +85,35 @@ class _Layout:
   def fused(self) -> bool:
     return all(self.sizes[a] == 1 for a in self.chunk_axes)
 
+  @property
+  def idle(self) -> bool:
+    """Whether the last program has steps past the last sample block (idle steps)."""
+    return self.programs * self.steps > self.blocks_per_group
+
   # Helpers of the index maps and kernels.
   def sample_block(self, ids):
-    """The block of samples of step ``s`` of program ``p``, clamped: the last
-    program's steps past the end redo its own last block (identical writes, no
-    other core involved; their partial sums are skipped by ``in_range``)."""
-    return jnp.minimum(ids["p"] * self.steps + ids["s"], self.blocks_per_group - 1)
+    """The block of samples of step ``s`` of program ``p`` (ids as ``pinned`` gives them)."""
+    return ids["p"] * self.steps + ids["s"]
 
   def in_range(self, ids):
     return ids["p"] * self.steps + ids["s"] < self.blocks_per_group
+
+  def pinned(self, ids, order):
+    """The grid ids an index map sees: an idle step's are its program's last real step's.
+
+    That is the last sample block, with every axis inside ``s`` in ``order``
+    at its last value, the ids of the grid point just before the idle steps:
+    no block index changes, so an idle step fetches nothing and writes
+    nothing back (an output block is never revisited after another one),
+    and the kernels skip it (``_call``).
+    """
+    if not self.idle:
+      return ids
+    idle = jnp.logical_not(self.in_range(ids))
+    out = dict(ids, s=jnp.where(idle, self.blocks_per_group - 1 - ids["p"] * self.steps, ids["s"]))
+    for a in order[order.index("s") + 1:]:
+      out[a] = jnp.where(idle, self.sizes[a] - 1, ids[a])
+    return out
 
   def first(self, ids, axes):
     return functools.reduce(jnp.logical_and, [ids[a] == 0 for a in axes], True)
@@ -98,7 +127,7 @@ class _Layout:
   def spec(self, kind: str, order):
     index = getattr(self, f"{kind}_index")
     return pl.BlockSpec(getattr(self, f"{kind}_block"),
-                        lambda *grid_ids: index(dict(zip(order, grid_ids))))
+                        lambda *grid_ids: index(self.pinned(dict(zip(order, grid_ids)), order)))
 
   def sample_mask(self, ids):
     """Mask of the valid samples of a block (None: blocks are never ragged)."""
@@ -288,21 +317,94 @@ def _masked(v, mask):
   return v if mask is None else jnp.where(mask, v, 0.0)
 
 
+# ----------------------------------------------------------------------------
+# TPU interpret mode (tests)
+
+_interpret_params: pltpu.InterpretParams | None = None
+#: The TPU interpreter keeps one process-wide simulated TPU per kernel: one at a time.
+_INTERPRET_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def tpu_interpret_mode(params: pltpu.InterpretParams) -> Iterator[None]:
+  """Kernels lowered inside the block with ``interpret=True`` run in Pallas' TPU interpret mode.
+
+  ``params`` (``pltpu.InterpretParams``) is passed as each ``pallas_call``'s
+  ``interpret``: simulated memory spaces and cores (``num_cores_or_threads``
+  shares the "parallel" axes out as on a megacore chip), ``detect_races``
+  (a race is printed: "RACE DETECTED"), ``uninitialized_memory="nan"``. The
+  setting is read when a function is lowered: lower fresh functions inside
+  (``jax.clear_caches()``). ``forward`` and ``backward`` also take such an
+  object as ``interpret`` directly.
+  """
+  global _interpret_params  # pylint: disable=global-statement
+  saved, _interpret_params = _interpret_params, params
+  try:
+    yield
+  finally:
+    _interpret_params = saved
+
+
+def _interpret_mode(interpret):
+  """``interpret`` as ``pallas_call`` takes it: False, True, or the TPU interpret mode's params."""
+  if interpret is True and _interpret_params is not None:
+    return _interpret_params
+  return interpret
+
+
+def _in_own_computation(fn, arrays):
+  """``fn(*arrays)`` run by a host callback as a jitted computation of its own, one at a time.
+
+  TPU interpret mode runs a kernel as ordered host callbacks, an effect that
+  a primitive's lowering (where the kernels are traced) cannot declare; a
+  computation of its own declares it. ``_INTERPRET_LOCK`` keeps kernels of
+  concurrent computations (the devices of a sharded one) apart.
+  """
+  jitted = jax.jit(fn)
+
+  def host(*args):
+    with _INTERPRET_LOCK:
+      return jax.tree.map(np.asarray, jitted(*args))
+
+  return jax.pure_callback(host, jax.eval_shape(fn, *arrays), *arrays)
+
+
 def _call(lay: _Layout, order, kernel, inputs, outputs, *, interpret, name, scratch=()):
-  """``pallas_call`` over ``lay``'s grid in ``order``; operands as ``(kind, array | None)``."""
+  """``pallas_call`` over ``lay``'s grid in ``order``; operands as ``(kind, array | None)``.
+
+  ``kernel(*refs, ids=)`` gets the grid ids by axis name; idle steps
+  (``_Layout.pinned``) do not run it.
+  """
   inputs = [(k, a) for k, a in inputs if a is not None]
   semantics = tuple(pltpu.PARALLEL if a in _PARALLEL else pltpu.ARBITRARY for a in order)
-  return pl.pallas_call(
-      kernel,
-      out_shape=common.typed_like([s for _, s in outputs], [a for _, a in inputs]),
-      grid=lay.grid(order),
-      in_specs=[lay.spec(k, order) for k, _ in inputs],
-      out_specs=[lay.spec(k, order) for k, _ in outputs],
-      scratch_shapes=scratch,
-      interpret=interpret,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-      name=name,
-  )(*[a for _, a in inputs])
+  mode = _interpret_mode(interpret)
+
+  def body(*refs):
+    # The ids are read here, outside the guard: Pallas' generic interpreter
+    # lowers no program_id inside a cond.
+    ids = _ids(order)
+    if lay.idle:
+      pl.when(lay.in_range(ids))(lambda: kernel(*refs, ids=ids))
+    else:
+      kernel(*refs, ids=ids)
+
+  def run(*arrays):
+    return pl.pallas_call(
+        body,
+        out_shape=common.typed_like([s for _, s in outputs], arrays),
+        grid=lay.grid(order),
+        in_specs=[lay.spec(k, order) for k, _ in inputs],
+        out_specs=[lay.spec(k, order) for k, _ in outputs],
+        scratch_shapes=scratch,
+        interpret=mode,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        name=name,
+    )(*arrays)
+
+  arrays = [a for _, a in inputs]
+  if not isinstance(mode, bool):  # TPU interpret mode's params
+    return _in_own_computation(run, arrays)
+  return run(*arrays)
 
 
 def _param(ref):
@@ -319,10 +421,11 @@ def _input(x_ref, r_ref):
   return x if r_ref is None else x + r_ref[...].astype(F32)
 
 
-def _fwd_kernel(*refs, lay: _Layout, eps: float, has_weight: bool, has_bias: bool,
+def _fwd_kernel(*refs, ids, lay: _Layout, eps: float, has_weight: bool, has_bias: bool,
                 has_residual: bool):
   """Segments within one block: statistics and y from a single read of x (and the residual:
   their float32 sum, written as h, is what is normalized)."""
+  del ids  # a block is a whole segment
   seg = lay.seg
   x_ref, r_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, h_ref = common.unpack(
       refs, True, has_residual, has_weight, has_bias, True, seg.centered, True, has_residual)
@@ -339,12 +442,11 @@ def _fwd_kernel(*refs, lay: _Layout, eps: float, has_weight: bool, has_bias: boo
   rstd_ref[...] = rstd
 
 
-def _moments_kernel(*refs, lay: _Layout, eps: float, has_residual: bool = False):
+def _moments_kernel(*refs, ids, lay: _Layout, eps: float, has_residual: bool = False):
   """Long segments: mean and rstd merged chunk by chunk (``common.combine_moments``)."""
   seg = lay.seg
   x_ref, r_ref, mean_ref, rstd_ref, count_sc, mean_sc, m2_sc = common.unpack(
       refs, True, has_residual, seg.centered, True, seg.centered, seg.centered, True)
-  ids = _ids(lay.stats_order)
   inner = lay.inner_mask(ids)
   x = _input(x_ref, r_ref)
   xm = _masked(x, inner)
@@ -372,9 +474,10 @@ def _moments_kernel(*refs, lay: _Layout, eps: float, has_residual: bool = False)
     rstd_ref[...] = common.inv_std(m2_sc[...] / seg.count, eps)
 
 
-def _normalize_kernel(*refs, lay: _Layout, has_weight: bool, has_bias: bool,
+def _normalize_kernel(*refs, ids, lay: _Layout, has_weight: bool, has_bias: bool,
                       has_residual: bool = False):
   """Long segments, second pass: ``y`` (and h) from the finished statistics."""
+  del ids  # elementwise
   x_ref, r_ref, mean_ref, rstd_ref, w_ref, b_ref, y_ref, h_ref = common.unpack(
       refs, True, has_residual, lay.seg.centered, True, has_weight, has_bias, True, has_residual)
   x = _input(x_ref, r_ref)
@@ -389,11 +492,12 @@ def _compute_dtype(x):
   return F32 if x.dtype == jnp.float16 else x.dtype
 
 
-def forward(x, *operands, seg: common.Segments, eps: float, interpret: bool, h_dtype=None,
+def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=None,
             y_dtype=None):
   """``(y, mean | None, rstd)``, or with a residual ``(x, residual, weight, bias)`` and
   ``h_dtype``, ``(y, mean | None, rstd, h)``; see ``kernels.forward``. y in
-  ``y_dtype`` (None: x's; a 16-bit one with a float32 x)."""
+  ``y_dtype`` (None: x's; a 16-bit one with a float32 x). ``interpret``: a bool, or
+  a ``pltpu.InterpretParams`` (TPU interpret mode; see ``tpu_interpret_mode``)."""
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
   out_dtype = jnp.dtype(y_dtype or x.dtype)
@@ -450,12 +554,11 @@ def _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, activation):
   return xhat, g, dy, rstd
 
 
-def _bwd_stats_kernel(*refs, lay: _Layout, has_gamma: bool, has_beta: bool):
+def _bwd_stats_kernel(*refs, ids, lay: _Layout, has_gamma: bool, has_beta: bool):
   """Long segments: ``c1 = mean(g)``, ``c2 = mean(g * xhat)`` summed chunk by chunk."""
   seg = lay.seg
   dy_ref, x_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, c1_ref, c2_ref = common.unpack(
       refs, True, True, seg.centered, True, has_gamma, has_beta, seg.centered, True)
-  ids = _ids(lay.stats_order)
   inner = lay.inner_mask(ids)
   xhat, g, _, _ = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref, beta_ref, seg.activation)
   sums = [(c1_ref, g), (c2_ref, g * xhat)]
@@ -475,15 +578,14 @@ def _bwd_stats_kernel(*refs, lay: _Layout, has_gamma: bool, has_beta: bool):
       ref[...] = ref[...] / seg.count
 
 
-def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
+def _bwd_kernel(*refs, ids, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
                 has_dh: bool = False, dx_dy: bool = False):
   """dx from one read of x and dy; partials accumulated in the resident output block.
 
   ``c1``/``c2`` come from the block itself when segments fit in one,
   else from the stats kernel. h's cotangent ``dh`` (the residual form) is
   added to dx before its rounding; ``dx_dy`` writes dx a second time,
-  rounded to dy's dtype. Partial sums skip ragged padding and the
-  repeated blocks of steps past a program's end.
+  rounded to dy's dtype. Partial sums skip ragged padding.
   """
   seg = lay.seg
   precomputed = mask[0] and not lay.fused
@@ -491,7 +593,6 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
    dx_ref, dx2_ref, dw_ref, db_ref) = common.unpack(
        refs, True, True, seg.centered, True, has_gamma, has_beta, precomputed and seg.centered,
        precomputed, has_dh, mask[0], dx_dy, *mask[1:])
-  ids = _ids(lay.main_order)
   xhat, g, dy, rstd = _terms(x_ref, dy_ref, mean_ref, rstd_ref, gamma_ref, beta_ref,
                              seg.activation)
   if mask[0]:
@@ -520,18 +621,17 @@ def _bwd_kernel(*refs, lay: _Layout, mask, has_gamma: bool, has_beta: bool,
   if rows is not None:
     valid = rows if valid is None else valid & rows
 
-  @pl.when(lay.in_range(ids))
-  def _():
-    for ref, t in partials:
-      ref[...] += lay.param_sum(_masked(t, valid))
+  for ref, t in partials:
+    ref[...] += lay.param_sum(_masked(t, valid))
 
 
 def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segments, mask,
-             interpret: bool, dx_dy: bool = False):
+             interpret, dx_dy: bool = False):
   """``(dx | None, dgamma | None, dbeta | None)``, [dx in dy's dtype]; see ``kernels.backward``.
 
   dy and x are read each in its own dtype (float16 widened first, as
-  everywhere on TPU), in blocks tiled for the narrower one.
+  everywhere on TPU), in blocks tiled for the narrower one. ``interpret`` as in
+  ``forward``.
   """
   out_dtype, dy_dtype = x.dtype, dy.dtype
   x, dy = x.astype(_compute_dtype(x)), dy.astype(_compute_dtype(dy))
