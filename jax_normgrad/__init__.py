@@ -27,6 +27,7 @@ from jax_normgrad.ops.layer_norm import layer_norm, layer_norm_backward, layer_n
 from jax_normgrad.ops.layer_norm_grad import (layer_norm_backward_from_normalized, layer_norm_grad,
                                               layer_norm_grad_beta)
 from jax_normgrad.ops.rms_norm import rms_norm, rms_norm_backward, rms_norm_fwd
+from jax_normgrad._rewrite import RewriteReport, explain_rewrite, rewrite  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -34,11 +35,13 @@ __all__ = [
     "FallbackWarning",
     "IMPLEMENTATIONS",
     "LAYER_FORWARD_DEFAULT",
+    "RewriteReport",
     "SUPPORTED_DTYPES",
     "ShardingWarning",
     "add_layer_norm",
     "add_rms_norm",
     "default_implementations",
+    "explain_rewrite",
     "export_safety_checks",
     "group_norm",
     "group_norm_backward",
@@ -50,6 +53,7 @@ __all__ = [
     "layer_norm_fwd",
     "layer_norm_grad",
     "layer_norm_grad_beta",
+    "rewrite",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_fwd",
