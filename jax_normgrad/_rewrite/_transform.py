@@ -362,8 +362,21 @@ def rewrite(fun, *, report=False):
 def explain_rewrite(fun, *args, **kwargs) -> RewriteReport:
   """The :class:`RewriteReport` of ``rewrite(fun)(*args, **kwargs)``, traced abstractly (nothing runs).
 
-  ``args`` may be arrays or ``jax.ShapeDtypeStruct``s.
+  ``args`` may be arrays or ``jax.ShapeDtypeStruct``s; other leaves are static, as in
+  :func:`rewrite`.
   """
   reports = []
-  jax.eval_shape(rewrite(fun, report=reports.append), *args, **kwargs)
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dyn = [i for i, leaf in enumerate(leaves)
+         if _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
+  new = rewrite(fun, report=reports.append)
+
+  def call(*values):
+    full = list(leaves)
+    for i, val in zip(dyn, values):
+      full[i] = val
+    a, k = jax.tree.unflatten(treedef, full)
+    return new(*a, **k)
+
+  jax.eval_shape(call, *[leaves[i] for i in dyn])
   return reports[-1]
