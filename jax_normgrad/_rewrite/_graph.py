@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -151,9 +152,9 @@ class Graph:
   def scalar(self, atom):
     """A concrete value that is one number repeated (a scalar, a broadcast literal), else None."""
     v = self.value(atom)
-    if v is None or v.size == 0 or v.dtype == bool or not np.issubdtype(v.dtype, np.number):
+    if v is None or v.size == 0 or v.dtype == bool or not jnp.issubdtype(v.dtype, jnp.number):
       return None
-    flat = v.ravel()
+    flat = v.ravel().astype(np.float64)  # bfloat16 and float16 literals included
     return float(flat[0]) if np.all(flat == flat[0]) else None
 
   # -- structure ---------------------------------------------------------------
