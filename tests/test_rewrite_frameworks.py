@@ -1,0 +1,119 @@
+"""jax_normgrad.rewrite on the norm layers of the frameworks that install here: every norm found, values and gradients kept.
+
+flax linen and nnx, equinox, keras 3 (JAX backend), dm-haiku and transformers'
+Flax RMSNorm modules; each skips where its framework is missing. Each check
+compares the rewritten function with the original in float32 and counts the
+backward kernels under ``jax.grad``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import jax_normgrad as jn  # noqa: E402
+from test_rewrite import kernel_calls  # noqa: E402
+from tolerances import assert_close  # noqa: E402
+
+X = jax.random.normal(jax.random.key(7), (2, 4, 4, 16), jnp.float32) * 1.3 + 0.4
+
+
+def _same(f, params, x, norms, op_counts=None):
+  """f(params, x) rewritten: values and gradients (of params and x) as the original's; kernels counted."""
+  new = jn.rewrite(f)
+  loss = lambda g: lambda p, x: jnp.sum(jnp.sin(g(p, x).astype(jnp.float32)))
+  want = jax.jit(jax.value_and_grad(loss(f), (0, 1)))(params, x)
+  got = jax.jit(jax.value_and_grad(loss(new), (0, 1)))(params, x)
+  for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    scale = float(np.abs(np.asarray(e, np.float32)).max()) * 4
+    assert_close(a, e, jnp.float32, x.shape[-1] * 8, "value or gradient", scale=scale)
+  report = jn.explain_rewrite(f, params, x)
+  assert len(report.matches) == norms, str(report)
+  if op_counts:
+    assert report.counts() == op_counts, str(report)
+  assert kernel_calls(jax.grad(loss(new), 1), params, x, kind="bwd") == norms
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_flax_linen(dtype):
+  nn = pytest.importorskip("flax.linen")
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.GroupNorm(num_groups=4, dtype=dtype)(x)
+      h = nn.Conv(16, (1, 1), dtype=dtype)(nn.silu(h))
+      h = nn.LayerNorm(dtype=dtype)(h + x)
+      return nn.RMSNorm(dtype=dtype)(h)
+
+  m = Block()
+  x = X.astype(dtype)
+  p = m.init(jax.random.key(0), x)
+  p = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape), p)
+  _same(lambda p, x: m.apply(p, x).astype(jnp.float32), p, x, 3,
+        {"group_norm": 1, "layer_norm": 1, "rms_norm": 1})
+  (gn,) = [mi for mi in jn.explain_rewrite(lambda p, x: m.apply(p, x), p, x).matches
+           if mi.op == "group_norm"]
+  assert gn.activation == "silu"
+
+
+def test_flax_nnx_and_equinox():
+  nnx = pytest.importorskip("flax.nnx")
+  eqx = pytest.importorskip("equinox")
+  ln = nnx.LayerNorm(16, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(ln)
+  _same(lambda s, x: nnx.merge(graphdef, s)(x), state, X, 1, {"layer_norm": 1})
+  rms = nnx.RMSNorm(16, rngs=nnx.Rngs(0))
+  graphdef2, state2 = nnx.split(rms)
+  _same(lambda s, x: nnx.merge(graphdef2, s)(x), state2, X, 1, {"rms_norm": 1})
+  e = eqx.nn.LayerNorm(16)
+  _same(lambda m, x: jax.vmap(jax.vmap(jax.vmap(m)))(x), e, X, 1, {"layer_norm": 1})
+  g = eqx.nn.GroupNorm(4, 16)  # channels first: (C, H, W) per sample
+  xc = jnp.transpose(X, (0, 3, 1, 2))
+  _same(lambda m, x: jax.vmap(m)(x), g, xc, 1)
+
+
+def test_keras():
+  keras = pytest.importorskip("keras")
+  if keras.backend.backend() != "jax":
+    pytest.skip("keras runs another backend")
+  layers = [keras.layers.LayerNormalization(), keras.layers.RMSNormalization(),
+            keras.layers.GroupNormalization(groups=4)]
+  for layer in layers:
+    layer.build(X.shape)
+  params = [[v.value + 0.1 * jnp.arange(v.shape[0]) / v.shape[0] for v in layer.trainable_variables]
+            for layer in layers]
+
+  def f(params, x):
+    for layer, p in zip(layers, params):
+      x, _ = layer.stateless_call(p, [], x)
+    return x
+
+  _same(f, params, X, 3, {"layer_norm": 1, "rms_norm": 1, "group_norm": 1})
+
+
+def test_haiku():
+  hk = pytest.importorskip("haiku")
+  f = hk.without_apply_rng(hk.transform(
+      lambda x: hk.RMSNorm(-1)(hk.LayerNorm(-1, True, True)(x))))
+  p = f.init(jax.random.key(0), X)
+  _same(f.apply, p, X, 2, {"layer_norm": 1, "rms_norm": 1})
+
+
+def test_transformers_flax_rmsnorms():
+  llama = pytest.importorskip("transformers.models.llama.modeling_flax_llama")
+  gemma = pytest.importorskip("transformers.models.gemma.modeling_flax_gemma")
+  import transformers
+  for mod, cfg in ((llama.FlaxLlamaRMSNorm, transformers.LlamaConfig(hidden_size=16)),
+                   (gemma.FlaxGemmaRMSNorm, transformers.GemmaConfig(hidden_size=16))):
+    m = mod(cfg, dtype=jnp.bfloat16)
+    x = X.astype(jnp.bfloat16)
+    p = m.init(jax.random.key(0), x)
+    p = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape), p)
+    _same(lambda p, x: m.apply(p, x).astype(jnp.float32), p, x, 1, {"rms_norm": 1})
