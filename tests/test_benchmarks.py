@@ -483,3 +483,15 @@ def test_ab_builds_times_a_second_copy_of_the_kernels():
   bad = subprocess.run([sys.executable, str(script), _ffi._ext.__file__, "--rows", "nope:2x3:fwd"],
                        capture_output=True, text=True, env=env)
   assert bad.returncode != 0 and "expected OP:SHAPE:PASS" in bad.stderr
+
+
+def test_bench_rewrite_quick(tmp_path):
+  """benchmarks/bench_rewrite.py --quick: the transformer under the rewrite, the drop-ins and flax."""
+  pytest.importorskip("flax")
+  import bench_rewrite  # noqa: E402  (the benchmarks' sibling script)
+  out = tmp_path / "rewrite.json"
+  assert bench_rewrite.main(["--quick", "--model", "transformer", "--out", str(out)]) == 0
+  import json
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["rewrite_custom_calls"] > 0 and row["flax_custom_calls"] == 0
+  assert row["trace_rewrite_s"] > 0 and row["compile_s"] > 0

@@ -239,11 +239,17 @@ def _candidate_matches(g: Graph, cand: Candidate):
       reason = layout_why
       continue
     ident[v] = norm
+  # A value is covered when everything reading it stays in the region and ends in a match
+  # (xhat before its scale, a norm before an einsum's transposes): only the last is replaced.
+  leads: dict = {}
+  for v in reversed(list(cand.abs)):
+    outs = [o for i in g.consumers.get(v, ()) for o in g.eqns[i].outvars]
+    leads[v] = v in ident or (bool(outs) and v not in g.out_set and all(
+        o in cand.abs and leads.get(o, False) for o in outs))
   found = []
   for v, norm in ident.items():
-    covered = v not in g.out_set and all(
-        any(o in ident for o in g.eqns[i].outvars) for i in g.consumers.get(v, ()))
-    if covered:
+    outs = [o for i in g.consumers.get(v, ()) for o in g.eqns[i].outvars]
+    if outs and v not in g.out_set and all(o in cand.abs and leads.get(o, False) for o in outs):
       continue
     m, why = _build(g, cand, v, norm, layout)
     if m is None:

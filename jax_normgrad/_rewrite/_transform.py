@@ -65,6 +65,16 @@ class _Rewriter:
 
   def run(self, jaxpr, consts, args, where=""):
     g, matches = self.plan(jaxpr, consts, where)
+    try:
+      return self._run(jaxpr, consts, args, where, g, matches)
+    except KeyError as err:
+      # A plan whose replacements read each other in a cycle: announced, then run as written.
+      warnings.warn(f"jax_normgrad.rewrite: the matches of {where or 'the function'} could not "
+                    f"be scheduled ({err!r}); it runs unchanged", RuntimeWarning, stacklevel=2)
+      self.report.matches = [m for m in self.report.matches if m.where != where]
+      return self._run(jaxpr, consts, args, where, g, [])
+
+  def _run(self, jaxpr, consts, args, where, g, matches):
     replaced = {v: m for m in matches for v in m.outputs}
     env: dict = {}
     for v, c in zip(jaxpr.constvars, consts):
