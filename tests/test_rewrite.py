@@ -8,6 +8,8 @@ the jaxpr is the original's.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,3 +194,54 @@ def test_report_callback_and_print(capsys):
   assert isinstance(got[0], jn.RewriteReport) and got[0].counts() == {"layer_norm": 1}
   jn.rewrite(rc.ln_two_pass, report=True)(x, w, b)
   assert "1 norm(s) rewritten" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------
+# Planning: one jitted function called after several norms, a cyclic plan.
+
+
+def test_shared_jitted_activation_after_each_norm():
+  """A UNet's blocks: ``jax.nn.silu`` (one jaxpr, jitted) after each GroupNorm, each block's input the last one's result.
+
+  The inlined calls share the body's variables; each must stay its own value
+  (else the second norm's SiLU reads as the first's, and the plan reads a
+  result before it is computed).
+  """
+  x, w, b, _ = rc.inputs(True, F32)
+  k = jax.random.normal(jax.random.key(3), (16, 16), F32) * 0.3
+
+  def unet(x, w, b):
+    h = rc.gn_nhwc_silu(x, w, b) @ k
+    h = rc.gn_nhwc_silu(h + x, w, b) @ k
+    return rc.gn_nhwc_silu(h + x, w, b)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    report = jn.explain_rewrite(unet, x, w, b)
+    new = jn.rewrite(unet)
+    assert_close(jax.jit(new)(x, w, b), jax.jit(unet)(x, w, b), F32, 40, "y")
+    assert kernel_calls(new, x, w, b) == 3
+  assert [m.activation for m in report.matches] == ["silu"] * 3, str(report)
+
+
+def test_a_cyclic_plan_is_announced_and_runs_as_written(monkeypatch):
+  # The planner's safety net, on a plan the matcher never makes: the first norm made to read
+  # the second's result (a test may reach into the package's modules to build it).
+  from jax_normgrad._rewrite import _transform
+  find = _transform._identify.find
+
+  def bad_find(g):
+    matches, misses = find(g)
+    if len(matches) == 2:
+      (second_y,) = matches[1].outputs
+      matches[0].x = second_y
+    return matches, misses
+
+  monkeypatch.setattr(_transform._identify, "find", bad_find)
+  x, w, b, _ = rc.inputs(False, F32)
+  new = jn.rewrite(rc.two_norms)
+  with pytest.warns(RuntimeWarning, match="would read their own results"):
+    y = new(x, w, b)
+  assert_close(y, rc.two_norms(x, w, b), F32, x.shape[-1], "y")
+  with pytest.warns(RuntimeWarning):
+    assert kernel_calls(new, x, w, b) == 0

@@ -32,6 +32,24 @@ def is_literal(atom) -> bool:
   return isinstance(atom, jcore.Literal)
 
 
+def _renamed(jaxpr):
+  """A copy of ``jaxpr`` with new variables (its equations' params, nested jaxprs included, shared)."""
+  ren: dict = {}
+
+  def var(v):
+    if is_literal(v) or isinstance(v, jcore.DropVar):
+      return v
+    if v not in ren:
+      ren[v] = _compat.fresh_var(v.aval)
+    return ren[v]
+
+  eqns = [e.replace(invars=[var(a) for a in e.invars], outvars=[var(o) for o in e.outvars])
+          for e in jaxpr.eqns]
+  return jaxpr.replace(constvars=[var(v) for v in jaxpr.constvars],
+                       invars=[var(v) for v in jaxpr.invars],
+                       outvars=[var(a) for a in jaxpr.outvars], eqns=eqns)
+
+
 class Graph:
   """The flattened equations of one jaxpr and what the matcher asks of them.
 
@@ -69,12 +87,18 @@ class Graph:
   # -- flattening --------------------------------------------------------------
 
   def _flatten(self, jaxpr, path, top=False):
+    """Appends the equations of ``jaxpr``, each inner ``jit`` inlined with variables of its own.
+
+    One jaxpr object is often the body of several calls (jax caches a jitted
+    function's jaxpr: every ``nn.silu`` of a model is the same one), so each
+    inlining renames the body's variables: the calls' values stay distinct.
+    """
     for e in jaxpr.eqns:
       name = e.primitive.name
       if name in INLINED and ("jaxpr" in e.params or "call_jaxpr" in e.params):
         inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
         closed = inner if isinstance(inner, jcore.ClosedJaxpr) else None
-        inner_jaxpr = closed.jaxpr if closed is not None else inner
+        inner_jaxpr = _renamed(closed.jaxpr if closed is not None else inner)
         for v, c in zip(inner_jaxpr.constvars, closed.consts if closed is not None else ()):
           self._set_const(v, c)
         for v, a in zip(inner_jaxpr.invars, e.invars):

@@ -52,74 +52,45 @@ class _Rewriter:
   # -- analysis ----------------------------------------------------------------
 
   def plan(self, jaxpr, consts, where):
+    """The graph, the matches and the evaluation order (:func:`_schedule`) of one jaxpr."""
     g = Graph(jaxpr, consts)
     matches, misses = _identify.find(g)
+    order, cyclic = _schedule(jaxpr, matches, g)
+    while cyclic:
+      # A safety net: a match whose op would read a value computed from its own result
+      # (a matcher error) is dropped, announced, and its norm runs as written.
+      warnings.warn(f"jax_normgrad.rewrite: {len(cyclic)} match(es) in {where or 'the function'} "
+                    f"would read their own results ({', '.join(m.source or m.op for m in cyclic)}); "
+                    "they run as written", RuntimeWarning, stacklevel=4)
+      matches = [m for m in matches if not any(m is c for c in cyclic)]
+      order, cyclic = _schedule(jaxpr, matches, g)
     for m in matches:
-      names = _factor_namer(m)
-      self.report.add_match(m, where, names)
+      self.report.add_match(m, where, _factor_namer(m))
     for miss in misses:
       self.report.add_miss(miss, where)
-    return g, matches
+    return g, matches, order
 
   # -- evaluation --------------------------------------------------------------
 
   def run(self, jaxpr, consts, args, where=""):
-    g, matches = self.plan(jaxpr, consts, where)
-    try:
-      return self._run(jaxpr, consts, args, where, g, matches)
-    except KeyError as err:
-      # A plan whose replacements read each other in a cycle: announced, then run as written.
-      warnings.warn(f"jax_normgrad.rewrite: the matches of {where or 'the function'} could not "
-                    f"be scheduled ({err!r}); it runs unchanged", RuntimeWarning, stacklevel=2)
-      self.report.matches = [m for m in self.report.matches if m.where != where]
-      return self._run(jaxpr, consts, args, where, g, [])
-
-  def _run(self, jaxpr, consts, args, where, g, matches):
-    replaced = {v: m for m in matches for v in m.outputs}
-    env: dict = {}
-    for v, c in zip(jaxpr.constvars, consts):
-      env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-      env[v] = a
-    producer = {}
-    for i, e in enumerate(jaxpr.eqns):
-      for o in e.outvars:
-        producer[o] = i
-    done = set()
-    computed = set()
+    """The jaxpr's outputs on ``args``, its matched norms computed by the ops."""
+    g, matches, order = self.plan(jaxpr, consts, where)
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    replaced = {v for m in matches for v in m.outputs}
 
     def read(atom):
-      if is_literal(atom):
-        return atom.val
-      if atom not in env:
-        if atom in replaced:
-          compute(replaced[atom])
-        elif atom in producer:
-          evaluate(producer[atom])
-      return env[atom]
+      return atom.val if is_literal(atom) else env[atom]
 
-    def compute(m):
-      if id(m) in computed:
-        return
-      computed.add(id(m))
-      env.update(_apply(m, read, g))
-      self.applied += 1
-
-    def evaluate(i):
-      if i in done:
-        return
-      done.add(i)
-      e = jaxpr.eqns[i]
-      invals = [read(a) for a in e.invars]
-      outs = self.bind(e, invals, where)
-      for o, val in zip(e.outvars, outs):
-        if not isinstance(o, jcore.DropVar) and o not in replaced:
-          env[o] = val
-
-    live = _live_eqns(jaxpr, replaced, g)
-    for i in range(len(jaxpr.eqns)):
-      if i in live:
-        evaluate(i)
+    for step in order:
+      if isinstance(step, int):
+        e = jaxpr.eqns[step]
+        outs = self.bind(e, [read(a) for a in e.invars], where)
+        env.update((o, val) for o, val in zip(e.outvars, outs)
+                   if not isinstance(o, jcore.DropVar) and o not in replaced)
+      else:
+        env.update(_apply(matches[step[1]], read, g))
+        self.applied += 1
     return [read(a) for a in jaxpr.outvars]
 
   def bind(self, e, invals, where):
@@ -166,30 +137,63 @@ class _Rewriter:
     return new
 
 
-def _live_eqns(jaxpr, replaced, g) -> set:
-  """The equations the outputs need, reading each replaced norm from its op's inputs."""
-  producer = {}
-  for i, e in enumerate(jaxpr.eqns):
-    for o in e.outvars:
-      producer[o] = i
-  live = {i for i, e in enumerate(jaxpr.eqns) if e.effects}
-  todo = [a for a in jaxpr.outvars if not is_literal(a)]
-  for i in live:
-    todo += [a for a in jaxpr.eqns[i].invars if not is_literal(a)]
-  seen = set()
-  while todo:
-    v = todo.pop()
-    if v in seen:
+def _schedule(jaxpr, matches, g):
+  """``(order, cyclic)``: the steps that compute the outputs, each after what it reads.
+
+  A step is an equation's index or ``("match", k)``, matches[k] computed by
+  its op from x and the parameters (:func:`_inputs`), standing in for the
+  equations that produced its outputs. Only what the outputs and the
+  effectful equations need is scheduled, so a replaced norm's equations
+  are dropped unless something else reads an intermediate (the mean, the
+  rstd). The equations keep their order where they can. ``cyclic``: the
+  matches on a cycle (empty for a sound plan), when the order is None.
+  """
+  producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+  replaced = {v: ("match", k) for k, m in enumerate(matches) for v in m.outputs}
+
+  def node_of(atom):
+    if is_literal(atom):
+      return None
+    return replaced.get(atom, producer.get(atom))
+
+  def deps(node):
+    atoms = jaxpr.eqns[node].invars if isinstance(node, int) else _inputs(matches[node[1]], g)
+    return [n for n in map(node_of, atoms) if n is not None]
+
+  roots = [i for i, e in enumerate(jaxpr.eqns) if e.effects]
+  roots += [n for n in map(node_of, jaxpr.outvars) if n is not None]
+  needed, cycle = _postorder(roots, deps)
+  if cycle is not None:
+    return None, [matches[n[1]] for n in cycle if not isinstance(n, int)]
+  # Again from the needed equations in their order: each runs where it was, a match before
+  # its first reader.
+  first = sorted(n for n in needed if isinstance(n, int))
+  order, _ = _postorder(first + [n for n in roots if not isinstance(n, int)], deps)
+  return order, []
+
+
+def _postorder(roots, deps):
+  """``(nodes, None)``: the nodes the roots reach, each after its deps; ``(None, cycle)`` on a cycle."""
+  order, state = [], {}  # state: 1 while on the stack, 2 when placed
+  for root in roots:
+    if root in state:
       continue
-    seen.add(v)
-    if v in replaced:
-      todo += [a for a in _inputs(replaced[v], g) if not is_literal(a)]
-      continue
-    i = producer.get(v)
-    if i is not None and i not in live:
-      live.add(i)
-      todo += [a for a in jaxpr.eqns[i].invars if not is_literal(a)]
-  return live
+    stack = [(root, iter(deps(root)))]
+    state[root] = 1
+    while stack:
+      node, it = stack[-1]
+      nxt = next(it, None)
+      if nxt is None:
+        stack.pop()
+        state[node] = 2
+        order.append(node)
+      elif nxt not in state:
+        state[nxt] = 1
+        stack.append((nxt, iter(deps(nxt))))
+      elif state[nxt] == 1:
+        nodes = [n for n, _ in stack]
+        return None, nodes[nodes.index(nxt):]
+  return order, None
 
 
 def _inputs(m, g):
