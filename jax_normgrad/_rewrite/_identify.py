@@ -222,7 +222,7 @@ def find(g: Graph):
 
 def _candidate_matches(g: Graph, cand: Candidate):
   root_sig = _sig(cand, cand.root_dims)
-  ident = {}
+  built = {}
   reason, tried = None, None
   layout, layout_why = _layout(cand)
   for v, a in cand.abs.items():
@@ -238,25 +238,38 @@ def _candidate_matches(g: Graph, cand: Candidate):
     if layout is None:
       reason = layout_why
       continue
-    ident[v] = norm
-  # A value is covered when everything reading it stays in the region and ends in a match
-  # (xhat before its scale, a norm before an einsum's transposes): only the last is replaced.
-  leads: dict = {}
-  for v in reversed(list(cand.abs)):
-    outs = [o for i in g.consumers.get(v, ()) for o in g.eqns[i].outvars]
-    leads[v] = v in ident or (bool(outs) and v not in g.out_set and all(
-        o in cand.abs and leads.get(o, False) for o in outs))
-  found = []
-  for v, norm in ident.items():
-    outs = [o for i in g.consumers.get(v, ()) for o in g.eqns[i].outvars]
-    if outs and v not in g.out_set and all(o in cand.abs and leads.get(o, False) for o in outs):
-      continue
     m, why = _build(g, cand, v, norm, layout)
     if m is None:
       reason, tried = why, v
       continue
-    found.append(m)
+    built[v] = m
+  # A value is covered when its one reader stays in the region and ends in a match (xhat
+  # before its scale, a norm before an einsum's transposes, a down-cast): only the last is
+  # replaced. A value read twice is the match itself, each reader fed from the one op.
+  leads: dict = {}
+  for v in reversed(list(cand.abs)):
+    leads[v] = v in built or _covered(g, cand, v, leads)
+  # A value computed from a replaced one (a norm's result, then scaled again on its way to
+  # another norm's statistics) is left to the equations after that op.
+  after: dict = {}
+  found = []
+  for v in cand.abs:
+    i = g.producer.get(v)
+    ins = () if i is None else [a for a in map(g.resolve, g.eqns[i].invars)
+                                if not is_literal(a) and a in cand.abs]
+    after[v] = any(after[a] for a in ins)
+    if v in built and not after[v] and not _covered(g, cand, v, leads):
+      found.append(built[v])
+      after[v] = True
   return found, reason, tried
+
+
+def _covered(g: Graph, cand: Candidate, v, leads: dict) -> bool:
+  readers = set(g.consumers.get(v, ()))
+  if len(readers) != 1 or v in g.out_set:
+    return False
+  outs = g.eqns[readers.pop()].outvars
+  return all(o in cand.abs and leads.get(o, False) for o in outs)
 
 
 def _build(g: Graph, cand: Candidate, y, norm: al.Norm, layout):

@@ -479,6 +479,8 @@ def _walk_to_root(g: Graph, u):
     if name in _ROOT_THROUGH or (name == "integer_pow" and e.params["y"] == 2):
       if is_literal(ins[0]) or not jnp.issubdtype(ins[0].aval.dtype, jnp.floating):
         break
+      if name == "convert_element_type" and jnp.promote_types(ins[0].aval.dtype, v.aval.dtype) != v.aval.dtype:
+        break  # a down-cast: the rounded tensor is x, not the value before it
       nxt = ins[0]
     elif name == "mul" and ins[0] is ins[1]:
       nxt = ins[0]
