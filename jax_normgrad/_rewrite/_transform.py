@@ -27,11 +27,14 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-import jax_normgrad as jn
 from jax_normgrad import _compat
 from jax_normgrad._rewrite import _identify
 from jax_normgrad._rewrite._graph import Graph, is_literal
 from jax_normgrad._rewrite._report import RewriteReport
+from jax_normgrad.ops.add_norm import add_layer_norm, add_rms_norm
+from jax_normgrad.ops.group_norm import group_norm
+from jax_normgrad.ops.layer_norm import layer_norm
+from jax_normgrad.ops.rms_norm import rms_norm
 
 _CLOSED_PARAMS = {  # primitive -> its params holding ClosedJaxprs of the same signature when rewritten
     "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",),
@@ -277,25 +280,25 @@ def _apply(m, read, g) -> dict:
   if m.op in ("layer_norm", "rms_norm"):
     kw = dict(normalized_shape=x.shape[x.ndim - m.norm_ndim:], eps=m.eps, out_dtype=out_dtype)
     if m.op == "layer_norm":
-      y = jn.layer_norm(x, w, b, **kw)
+      y = layer_norm(x, w, b, **kw)
     else:
-      y = jn.rms_norm(x, w, **kw)
+      y = rms_norm(x, w, **kw)
       if b is not None:
         y = (y.astype(jnp.float32) + b).astype(y.dtype)
   elif m.op in ("add_layer_norm", "add_rms_norm"):
     a, r = (read(v) for v in m.residual)
     kw = dict(normalized_shape=x.shape[x.ndim - m.norm_ndim:], eps=m.eps)
     if m.op == "add_layer_norm":
-      y, h = jn.add_layer_norm(a, r, w, b, **kw)
+      y, h = add_layer_norm(a, r, w, b, **kw)
     else:
-      y, h = jn.add_rms_norm(a, r, w, **kw)
+      y, h = add_rms_norm(a, r, w, **kw)
       if b is not None:
         y = (y.astype(jnp.float32) + b).astype(y.dtype)
     outs["h"] = h
   else:
     lead = int(np.prod(x.shape[:m.lead_ndim]))
     x2 = x.reshape((lead,) + x.shape[m.lead_ndim:])
-    y = jn.group_norm(x2, m.groups, w, b, eps=m.eps, channel_axis=m.channel_axis,
+    y = group_norm(x2, m.groups, w, b, eps=m.eps, channel_axis=m.channel_axis,
                       out_dtype=out_dtype, activation=m.activation)
     y = y.reshape(x.shape)
   outs["y"] = y if y.dtype == m.y_dtype else y.astype(m.y_dtype)
