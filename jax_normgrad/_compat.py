@@ -209,12 +209,3 @@ def bind_equation(eqn, invals):
     return eqn.primitive.bind(*subfuns, *invals, **params)
   with ctx:
     return eqn.primitive.bind(*subfuns, *invals, **params)
-
-
-def fresh_var(aval):
-  """A new jaxpr variable of ``aval`` (``jax.extend.core.Var``; older jaxes took a name suffix first)."""
-  from jax.extend import core as jcore  # pylint: disable=import-outside-toplevel
-  try:
-    return jcore.Var(aval)
-  except TypeError:
-    return jcore.Var("", aval)

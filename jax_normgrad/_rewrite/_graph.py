@@ -40,7 +40,7 @@ def _renamed(jaxpr):
     if is_literal(v) or isinstance(v, jcore.DropVar):
       return v
     if v not in ren:
-      ren[v] = _compat.fresh_var(v.aval)
+      ren[v] = jcore.Var(v.aval)
     return ren[v]
 
   eqns = [e.replace(invars=[var(a) for a in e.invars], outvars=[var(o) for o in e.outvars])
