@@ -2,8 +2,9 @@
 
 flax linen and nnx, equinox, keras 3 (JAX backend), dm-haiku and transformers'
 Flax RMSNorm modules; each skips where its framework is missing. Each check
-compares the rewritten function with the original in float32 and counts the
-backward kernels under ``jax.grad``.
+compares the rewritten function's values and gradients with the original's
+(under ``jit`` and ``grad``; flax's blocks under ``nn.scan`` and ``nn.remat``,
+equinox's under ``vmap``) and counts the backward kernels under ``jax.grad``.
 """
 
 from __future__ import annotations

@@ -205,16 +205,12 @@ def find(g: Graph):
   """All matches and near misses of the graph's candidates."""
   matches: list[Match] = []
   misses: list[NearMiss] = []
-  done = set()
   for cand in candidates(g):
-    if cand.root in done:
-      pass
     interpret(cand, g.producer.get(cand.root, -1) + 1)
     found, reason, tried = _candidate_matches(g, cand)
     for m in found:
       if not any(set(m.outputs) & set(o.outputs) for o in matches):
         matches.append(m)
-        done.add(cand.root)
     if not found and tried is not None and reason:
       misses.append(NearMiss(tuple(tried.aval.shape), tried.aval.dtype, reason, source_of(g, tried)))
   return matches, misses

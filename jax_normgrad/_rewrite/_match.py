@@ -388,15 +388,14 @@ def _dot_general(cand: Candidate, e):
   ext_shape = ext.aval.shape
   if len(eb) != len(ext_shape):
     raise Fail("a dot_general whose other operand has free dims")
-  # Output: batch dims (in order), then the x-dependent operand's free dims.
+  # Output: batch dims (in order), then the x-dependent operand's free dims (the other
+  # operand has none, whichever side it is on).
   free = [i for i in range(len(src.dims)) if i not in sb]
   ext_dims = [()] * len(ext_shape)
   for i, j in zip(sb, eb):
     if ext_shape[j] > 1:
       ext_dims[j] = tuple((l, s, True) for l, s, _ in src.dims[i] if s > 1)
   out_dims = [src.dims[i] for i in sb] + [src.dims[i] for i in free]
-  if not in_l:  # the x-dependent operand is rhs: the ext has no free dims, order unchanged
-    pass
   f = cand.factor(ext, tuple(ext_dims))
   return al.poly_scale(src.poly, al.ONE, ((f, 1),)), tuple(out_dims)
 

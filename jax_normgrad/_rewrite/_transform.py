@@ -313,19 +313,28 @@ def _is_array(leaf) -> bool:
   return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "aval")
 
 
-def _trace(fun, args, kwargs):
-  """``(closed jaxpr, its dynamic arguments, output tree)``: arrays traced, other leaves static."""
+def _split(args, kwargs, dynamic):
+  """``(values, rebuild)``: the leaves ``dynamic`` picks, and ``(args, kwargs)`` from new values for them."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  dyn = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  dyn = [i for i, leaf in enumerate(leaves) if dynamic(leaf)]
 
-  def flat_fun(*values):
+  def rebuild(values):
     full = list(leaves)
     for i, val in zip(dyn, values):
       full[i] = val
-    a, k = jax.tree.unflatten(treedef, full)
+    return jax.tree.unflatten(treedef, full)
+
+  return [leaves[i] for i in dyn], rebuild
+
+
+def _trace(fun, args, kwargs):
+  """``(closed jaxpr, its dynamic arguments, output tree)``: arrays traced, other leaves static."""
+  values, rebuild = _split(args, kwargs, _is_array)
+
+  def flat_fun(*values):
+    a, k = rebuild(values)
     return fun(*a, **k)
 
-  values = [leaves[i] for i in dyn]
   closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*values)
   return closed, values, jax.tree.structure(out_shape)
 
@@ -383,17 +392,13 @@ def explain_rewrite(fun, *args, **kwargs) -> RewriteReport:
   :func:`rewrite`.
   """
   reports = []
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  dyn = [i for i, leaf in enumerate(leaves)
-         if _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
   new = rewrite(fun, report=reports.append)
+  values, rebuild = _split(args, kwargs,
+                           lambda leaf: _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct))
 
   def call(*values):
-    full = list(leaves)
-    for i, val in zip(dyn, values):
-      full[i] = val
-    a, k = jax.tree.unflatten(treedef, full)
+    a, k = rebuild(values)
     return new(*a, **k)
 
-  jax.eval_shape(call, *[leaves[i] for i in dyn])
+  jax.eval_shape(call, *values)
   return reports[-1]
