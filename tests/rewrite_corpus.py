@@ -47,6 +47,13 @@ def ln_folded(x, w, b):
   return x * inv + (b - m * inv)
 
 
+def ln_eps_tiny(x, w, b):
+  """BERT's eps of 1e-12 (one-pass, as flax's LayerNorm): found as exactly as a large one."""
+  m = x.mean(-1, keepdims=True)
+  v = jnp.maximum(0.0, (x * x).mean(-1, keepdims=True) - m * m)
+  return (x - m) * jax.lax.rsqrt(v + 1e-12) * w + b
+
+
 def ln_pow_half(x, w, b):
   m = x.mean(-1, keepdims=True)
   v = ((x - m) ** 2).mean(-1, keepdims=True)
@@ -163,6 +170,7 @@ FORMS = {
     "ln_two_pass": Form(ln_two_pass, "layer_norm"),
     "ln_one_pass_max": Form(ln_one_pass_max, "layer_norm"),
     "ln_folded": Form(ln_folded, "layer_norm"),
+    "ln_eps_tiny": Form(ln_eps_tiny, "layer_norm"),
     "ln_pow_half": Form(ln_pow_half, "layer_norm"),
     "ln_ddof": Form(ln_ddof, "layer_norm"),
     "ln_eps_nested": Form(ln_eps_nested, "layer_norm"),

@@ -213,12 +213,17 @@ def _close(a, b, rtol=_RTOL, atol=0.0):
   return bool(np.all(np.isclose(a, b, rtol=rtol, atol=atol, equal_nan=False)))
 
 
-def _constant(v: np.ndarray) -> float | None:
-  """The value of a float64 vector that is constant (to rounding), else None."""
+def _constant(v: np.ndarray, noise: np.ndarray | float = 0.0) -> float | None:
+  """The value of a float64 vector that is constant (to rounding, and to ``noise`` per point), else None."""
   if not np.all(np.isfinite(v)):
     return None
   c = float(np.median(v))
-  return c if _close(v, c, atol=1e-12 * max(1.0, abs(c))) else None
+  return c if _close(v, c, atol=1e-12 * max(1.0, abs(c)) + noise) else None
+
+
+# The rounding of a float64 expression of the moments, relative to the largest term it
+# cancels (S2 = mean^2 + var, S1 * rstd): a few ulps, with a margin.
+_CANCEL = 1e-13
 
 
 class Norm(NamedTuple):
@@ -233,24 +238,32 @@ class Norm(NamedTuple):
   bias: dict
 
 
-def _fit_rstd(r: np.ndarray, var: np.ndarray):
-  """``(scale, eps)`` with ``r = scale * (var + eps)^-1/2`` at every point, else a reason."""
+def _fit_rstd(r: np.ndarray, var: np.ndarray, s2: np.ndarray):
+  """``(scale, eps)`` with ``r = scale * (var + eps)^-1/2`` at every point, else a reason.
+
+  The slope of ``1 / r^2`` against the variance is read where the variance
+  dominates, its value at variance 0 (mean 0, where nothing cancels) is eps
+  times it: an eps of 1e-12 is found as exactly as one of 1e-5. Elsewhere the
+  check allows the rounding of an expression that cancels ``S2``.
+  """
   with np.errstate(all="ignore"):
     q = 1.0 / (r * r)
-  # Two points where the variance dominates fix a and b of q = a var + b.
   i, j = 8, 9  # variance 3 and 10 at mean 0
+  zero = 0  # variance 0 at mean 0
   a = (q[j] - q[i]) / (var[j] - var[i])
-  b = q[i] - a * var[i]
+  b = q[zero] - a * var[zero]
   if not (np.isfinite(a) and np.isfinite(b)) or a <= 0:
     return None, "the scale factor is not a power -1/2 of the variance"
   if b < -1e-12 * a:
     return None, f"eps would be negative ({b / a:g})"
   b = max(b, 0.0)
   fit = a * var + b
-  if not _close(q, fit, atol=1e-12 * max(b, 1e-30)):
+  noise = a * _CANCEL * np.abs(s2)
+  if not _close(q, fit, atol=1e-12 * max(b, 1e-30)) and not np.all(
+      np.abs(q - fit) <= _RTOL * np.abs(fit) + noise):
     worst = int(np.argmax(np.abs(q - fit) / np.maximum(np.abs(fit), 1e-300)))
     return None, (f"the scale factor is not 1/sqrt(var + eps) (at variance {var[worst]:g} it is "
-                  f"1/sqrt({q[worst]:.6g}), not 1/sqrt({fit[worst]:.6g}))")
+                  f"1/sqrt({q[worst] / a:.6g}), not 1/sqrt({fit[worst] / a:.6g}))")
   sign = np.sign(r[i])
   return (float(sign / math.sqrt(a)), float(b / a)), None
 
@@ -284,7 +297,7 @@ def identify(poly: dict) -> tuple[Norm | None, str | None]:
     ratios[m] = c
   reasons = []
   for kind, moment in (("layer", var), ("rms", s2)):
-    fit, why = _fit_rstd(r, moment)
+    fit, why = _fit_rstd(r, moment, s2)
     if fit is None:
       reasons.append(f"{'LayerNorm' if kind == 'layer' else 'RMSNorm'}: {why}")
       continue
@@ -297,8 +310,9 @@ def identify(poly: dict) -> tuple[Norm | None, str | None]:
     ok = True
     for m in set(p) | set(q):
       qm = q.get(m, np.zeros_like(r))
-      offset = qm + s1 * p[m] if (kind == "layer" and m in p) else qm
-      c = _constant(offset[fin])
+      with np.errstate(all="ignore"):
+        moved = s1 * p[m] if (kind == "layer" and m in p) else np.zeros_like(r)
+        c = _constant((qm + moved)[fin], _CANCEL * np.abs(moved[fin]))
       if c is None:
         ok = False
         break
