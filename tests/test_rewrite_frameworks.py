@@ -90,12 +90,13 @@ def test_flax_nnx_and_equinox():
   _same(lambda m, x: jax.vmap(m)(x), g, xc, 1)
 
 
-def test_keras():
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_keras(policy):
   keras = pytest.importorskip("keras")
   if keras.backend.backend() != "jax":
     pytest.skip("keras runs another backend")
-  layers = [keras.layers.LayerNormalization(), keras.layers.RMSNormalization(),
-            keras.layers.GroupNormalization(groups=4)]
+  layers = [keras.layers.LayerNormalization(dtype=policy), keras.layers.RMSNormalization(dtype=policy),
+            keras.layers.GroupNormalization(groups=4, dtype=policy)]
   for layer in layers:
     layer.build(X.shape)
   params = [[v.value + 0.1 * jnp.arange(v.shape[0]) / v.shape[0] for v in layer.trainable_variables]
@@ -106,7 +107,9 @@ def test_keras():
       x, _ = layer.stateless_call(p, [], x)
     return x
 
-  _same(f, params, X, 3, {"layer_norm": 1, "rms_norm": 1, "group_norm": 1})
+  # mixed_bfloat16: float32 statistics, each layer's result rounded to bfloat16 (the next one's x).
+  _same(f, params, X, 3, {"layer_norm": 1, "rms_norm": 1, "group_norm": 1},
+        BF16 if policy == "mixed_bfloat16" else F32)
 
 
 def test_haiku():

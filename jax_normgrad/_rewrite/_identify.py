@@ -20,7 +20,7 @@ from jax.extend import source_info_util
 from jax_normgrad import _activations
 from jax_normgrad._rewrite import _algebra as al
 from jax_normgrad._rewrite._graph import Graph, is_literal
-from jax_normgrad._rewrite._match import Candidate, _sig, candidates, interpret
+from jax_normgrad._rewrite._match import Candidate, _sig, candidates, cast_direction, interpret
 
 SUPPORTED_X = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -261,11 +261,19 @@ def _candidate_matches(g: Graph, cand: Candidate):
 
 
 def _covered(g: Graph, cand: Candidate, v, leads: dict) -> bool:
+  """Whether v's one reader carries the norm on to a later match (which then computes v's value).
+
+  An up-cast of a rounded value carries it on only where the chain goes on past
+  the up-cast: where the up-cast is read twice, the rounded tensor is the op's
+  result (the next norm's input, say), not the float32 value before it.
+  """
   readers = set(g.consumers.get(v, ()))
   if len(readers) != 1 or v in g.out_set:
     return False
-  outs = g.eqns[readers.pop()].outvars
-  return all(o in cand.abs and leads.get(o, False) for o in outs)
+  e = g.eqns[readers.pop()]
+  if cast_direction(e) > 0:
+    return all(o in cand.abs and _covered(g, cand, o, leads) for o in e.outvars)
+  return all(o in cand.abs and leads.get(o, False) for o in e.outvars)
 
 
 def _build(g: Graph, cand: Candidate, y, norm: al.Norm, layout):

@@ -463,6 +463,16 @@ def interpret(cand: Candidate, start: int):
 _ROOT_THROUGH = ("convert_element_type", "reshape", "square", "copy", "copy_p")
 
 
+def cast_direction(e) -> int:
+  """1 for a ``convert_element_type`` that widens (exact), -1 for one that rounds, else 0."""
+  if e.primitive.name != "convert_element_type":
+    return 0
+  src, dst = jnp.dtype(e.invars[0].aval.dtype), jnp.dtype(e.outvars[0].aval.dtype)
+  if src == dst:
+    return 0
+  return 1 if jnp.promote_types(src, dst) == dst else -1
+
+
 def _walk_to_root(g: Graph, u):
   """From a reduced operand back to the tensor it is computed from elementwise (or a view of)."""
   v = u
@@ -478,7 +488,7 @@ def _walk_to_root(g: Graph, u):
     if name in _ROOT_THROUGH or (name == "integer_pow" and e.params["y"] == 2):
       if is_literal(ins[0]) or not jnp.issubdtype(ins[0].aval.dtype, jnp.floating):
         break
-      if name == "convert_element_type" and jnp.promote_types(ins[0].aval.dtype, v.aval.dtype) != v.aval.dtype:
+      if cast_direction(e) < 0:
         break  # a down-cast: the rounded tensor is x, not the value before it
       nxt = ins[0]
     elif name == "mul" and ins[0] is ins[1]:
