@@ -123,6 +123,13 @@ def rms_folded(x, w, b):
   return x * scale + b
 
 
+def rms_per_head(x, w, b):
+  """A QK-norm: RMSNorm over each head's dims of a (rows, heads, head_dim) view, one scale for all heads."""
+  q = x.reshape(x.shape[0], 4, x.shape[1] // 4)
+  q = q * jax.lax.rsqrt(jnp.mean(q * q, -1, keepdims=True) + EPS) * w[:q.shape[-1]]
+  return q.reshape(x.shape)
+
+
 def gn_nhwc_silu(x, w, b):
   """Channels last: a reshape to (N, H, W, G, C/G), the statistics over (H, W, C/G), then SiLU."""
   n, h, wd, c = x.shape
@@ -180,6 +187,7 @@ FORMS = {
     "rms_gemma": Form(rms_gemma, "rms_norm"),
     "rms_maxtext": Form(rms_maxtext, "rms_norm"),
     "rms_folded": Form(rms_folded, "rms_norm"),
+    "rms_per_head": Form(rms_per_head, "rms_norm"),
     "gn_nhwc_silu": Form(gn_nhwc_silu, "group_norm", group=True),
     "gn_nchw": Form(gn_nchw, "layer_norm", group=True),
     "ln_residual": Form(ln_residual, "add_layer_norm"),

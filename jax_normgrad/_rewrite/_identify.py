@@ -205,14 +205,20 @@ def find(g: Graph):
   """All matches and near misses of the graph's candidates."""
   matches: list[Match] = []
   misses: list[NearMiss] = []
-  for cand in candidates(g):
-    interpret(cand, g.producer.get(cand.root, -1) + 1)
-    found, reason, tried = _candidate_matches(g, cand)
+  for views in candidates(g):
+    miss = None
+    for cand in views:
+      interpret(cand, g.producer.get(cand.root, -1) + 1)
+      found, reason, tried = _candidate_matches(g, cand)
+      if found:
+        break
+      if miss is None and tried is not None and reason:
+        miss = NearMiss(tuple(tried.aval.shape), tried.aval.dtype, reason, source_of(g, tried))
     for m in found:
       if not any(set(m.outputs) & set(o.outputs) for o in matches):
         matches.append(m)
-    if not found and tried is not None and reason:
-      misses.append(NearMiss(tuple(tried.aval.shape), tried.aval.dtype, reason, source_of(g, tried)))
+    if not found and miss is not None:
+      misses.append(miss)
   return matches, misses
 
 

@@ -505,8 +505,13 @@ def _walk_to_root(g: Graph, u):
   return chain
 
 
-def candidates(g: Graph) -> list[Candidate]:
-  """One candidate per distinct (root, view, reduced axes) of the graph's ``reduce_sum``s."""
+def candidates(g: Graph) -> list[list[Candidate]]:
+  """Per distinct (root, view, reduced axes) of the graph's ``reduce_sum``s, the candidates to try.
+
+  The first is rooted at the earliest tensor the reduced view regroups into (a
+  GroupNorm's x before its reshape to groups); each next one at a later view of
+  another shape (the per-head (B, S, H, D) of a QK-norm, where no group op fits).
+  """
   seen = set()
   out = []
   for i, e in enumerate(g.eqns):
@@ -518,20 +523,20 @@ def candidates(g: Graph) -> list[Candidate]:
     sizes = tuple(u.aval.shape)
     reduced = frozenset(e.params["axes"])
     canon = tuple((k, s, True) for k, s in enumerate(sizes))
-    chain = _walk_to_root(g, u)
-    root, root_dims = None, None
-    for v in chain:  # the earliest tensor the canonical view regroups into
+    roots = []  # (root, dims), the earliest tensor of each shape along the chain
+    for v in _walk_to_root(g, u):
       dims = regroup(list(canon), tuple(v.aval.shape))
       if dims is None:
         break
-      root, root_dims = v, dims
-    if root is None:
+      if roots and tuple(v.aval.shape) == tuple(roots[-1][0].aval.shape):
+        roots[-1] = (v, dims)
+      else:
+        roots.append((v, dims))
+    if not roots:
       continue
-    key = (root, sizes, reduced)
+    key = (roots[-1][0], sizes, reduced)
     if key in seen:
       continue
     seen.add(key)
-    cand = Candidate(g, root, sizes, reduced, root_dims)
-    cand.reduce_eqn = i
-    out.append(cand)
+    out.append([Candidate(g, root, sizes, reduced, dims) for root, dims in reversed(roots)])
   return out
