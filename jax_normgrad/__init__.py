@@ -8,8 +8,9 @@ why (docs/dispatch.md). The layers (``layer_norm``, ``rms_norm``,
 functions whose backward is the backward kernel; they differentiate to any
 order (the primitives' JVPs are the reference's), so ``grad(grad)``,
 ``jax.hessian`` and ``jvp(grad)`` work through them. ``jax_normgrad.vendor``
-holds the forms with other frameworks' kernel signatures. See README.md and
-docs/api.md.
+holds the forms with other frameworks' kernel signatures; ``rewrite(f)``
+puts every norm a function computes on these ops (docs/rewrite.md). See
+README.md and docs/api.md.
 """
 
 import pkgutil
@@ -35,6 +36,9 @@ from jax_normgrad._malloc import keep_freed_memory  # noqa: E402
 from jax_normgrad._settings import LAYER_FORWARD_DEFAULT, SettingsChangedError  # noqa: E402
 from jax_normgrad._sharding import ShardingWarning  # noqa: E402
 from jax_normgrad._validation import IMPLEMENTATIONS, SUPPORTED_DTYPES  # noqa: E402
+
+# Every norm of any JAX function on the kernels: a jaxpr rewrite (docs/rewrite.md).
+from jax_normgrad._rewrite import RewriteReport, explain_rewrite, rewrite  # noqa: E402
 
 # The compatibility forms (other frameworks' kernel signatures), also as jax_normgrad.vendor.*.
 from jax_normgrad import vendor  # noqa: E402
@@ -63,6 +67,10 @@ __all__ = [
     "explain",
     "export_safety_checks",
     "keep_freed_memory",
+    # Every norm of any function on the kernels.
+    "RewriteReport",
+    "explain_rewrite",
+    "rewrite",
     # The compatibility forms (jax_normgrad.vendor).
     "vendor",
     *vendor.__all__,

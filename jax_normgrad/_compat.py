@@ -249,3 +249,25 @@ def register_triton_gpu(device_kind: str, compute_capability: str) -> bool:
     return False
   registry.setdefault(device_kind, lambda: info)
   return True
+
+
+# ----------------------------------------------------------------------------
+# Evaluating a jaxpr equation (``jax_normgrad.rewrite``).
+
+
+def bind_equation(eqn, invals):
+  """``eqn.primitive.bind`` of the equation's params on ``invals``, as ``jax.core.eval_jaxpr`` does.
+
+  ``Primitive.get_bind_params`` returns ``(subfuns, params)`` up to jax 0.9
+  and the params alone (the subfunctions inside them) from jax 0.10.
+  """
+  got = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(got, tuple):
+    subfuns, params = got
+  else:
+    subfuns, params = (), got
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  if ctx is None:
+    return eqn.primitive.bind(*subfuns, *invals, **params)
+  with ctx:
+    return eqn.primitive.bind(*subfuns, *invals, **params)

@@ -736,3 +736,15 @@ def test_gpu_session_plans_name_what_the_scripts_know():
   bad = subprocess.run(["bash", str(_SESSION), "--dry-run", "60", "nosuch"], capture_output=True,
                        text=True, cwd=_SCRIPT.parent.parent, timeout=60)
   assert bad.returncode == 2 and "unknown stage nosuch" in bad.stdout
+
+
+def test_bench_rewrite_quick(tmp_path):
+  """benchmarks/bench_rewrite.py --quick: the transformer under the rewrite, the drop-ins and flax."""
+  pytest.importorskip("flax")
+  import bench_rewrite  # noqa: E402  (the benchmarks' sibling script)
+  out = tmp_path / "rewrite.json"
+  assert bench_rewrite.main(["--quick", "--model", "transformer", "--out", str(out)]) == 0
+  import json
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["rewrite_custom_calls"] > 0 and row["flax_custom_calls"] == 0
+  assert row["trace_rewrite_s"] > 0 and row["compile_s"] > 0

@@ -1,0 +1,334 @@
+"""From candidates to matches: which op, its eps, parameters, layout, fused activation or residual add.
+
+:func:`find` runs every candidate of a :class:`._graph.Graph` and returns
+the matches (:class:`Match`: what the rewrite replaces, and with what) and
+the near misses (:class:`NearMiss`: a value with row statistics that was not
+rewritten, and why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import source_info_util
+
+from jax_normgrad import _activations
+from jax_normgrad._rewrite import _algebra as al
+from jax_normgrad._rewrite._graph import Graph, is_literal
+from jax_normgrad._rewrite._match import Candidate, _sig, candidates, cast_direction, interpret
+
+SUPPORTED_X = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass
+class Match:
+  """One norm the rewrite replaces: ``outputs`` (variable -> "y" or "h") computed by ``op``."""
+  op: str  # layer_norm, rms_norm, group_norm, add_layer_norm, add_rms_norm
+  x: Any
+  residual: tuple | None
+  outputs: dict
+  eps: float
+  weight: dict  # monomial -> coefficient; empty: no weight
+  bias: dict
+  factors: list
+  labels: Any  # the candidate's label resolver
+  param_axes: tuple
+  param_sizes: dict
+  param_shape: tuple
+  norm_ndim: int = 0  # LayerNorm / RMSNorm
+  lead_ndim: int = 0  # GroupNorm: x's leading dims merged into N
+  groups: int = 0
+  channel_axis: int = 1
+  activation: str | None = None
+  y_dtype: Any = None
+  source: str = ""
+  shape: tuple = ()
+  dtype: Any = None
+
+
+@dataclasses.dataclass
+class NearMiss:
+  """A value computed from row statistics that was left alone, and why."""
+  shape: tuple
+  dtype: Any
+  reason: str
+  source: str = ""
+
+
+def source_of(g: Graph, var) -> str:
+  i = g.producer.get(var)
+  if i is None:
+    return ""
+  return source_info_util.summarize(g.eqns[i].source_info)
+
+
+def _layout(cand: Candidate):
+  """``("layer", norm_ndim)`` or ``("group", lead_ndim, channel_axis, g, cg)``, or a reason."""
+  sig = _sig(cand, cand.root_dims)
+  red = [l for l in sorted(cand.reduced) if cand.sizes[l] > 1]
+  keep = {l for l in range(len(cand.sizes)) if l not in cand.reduced and cand.sizes[l] > 1}
+  split = next((i for i, d in enumerate(sig) if set(d) & set(red)), None)
+  if split is None:
+    return None, "no reduced axis left in x"
+  lead_ok = all(set(d) <= keep for d in sig[:split])
+  rest = [l for d in sig[split:] for l in d]
+  if lead_ok and rest == red:
+    return ("layer", len(sig) - split), None
+  # GroupNorm: leading dims (N), then spatial dims and one channel dim holding a group axis
+  # (kept) followed by the group's channels (reduced), or a kept axis alone (one channel per group).
+  chan = [i for i, d in enumerate(sig[split:], split) if set(d) & keep]
+  if lead_ok and split >= 1 and len(chan) == 1:
+    d = sig[chan[0]]
+    g = d[0]
+    cg = d[1] if len(d) == 2 else None
+    if g in keep and (len(d) == 1 or (len(d) == 2 and cg in red)) and all(
+        set(x) <= set(red) for i, x in enumerate(sig[split:], split) if i != chan[0]):
+      return ("group", split, chan[0] - split + 1, g, cg), None
+  axes = [i for i, d in enumerate(sig) if set(d) & set(red)]
+  return None, (f"the statistics are over axes {tuple(axes)} of x's shape {tuple(cand.root.aval.shape)}: "
+                "neither its trailing axes (LayerNorm, RMSNorm) nor a group's channels and "
+                "spatial axes (GroupNorm)")
+
+
+def _factor_labels(cand: Candidate, f) -> set:
+  shape = np.shape(f.atom.val) if is_literal(f.atom) else tuple(f.atom.aval.shape)
+  out = set()
+  for i, ents in enumerate(f.dims):
+    if shape[i] > 1 and i not in f.const_dims:
+      out |= {cand.label(l) for l, s, _ in ents if s > 1}
+  return out
+
+
+def _ancestors(g: Graph, var, stop) -> set:
+  """Equation indices ``var`` depends on, back to ``stop``."""
+  seen, todo = set(), [var]
+  while todo:
+    v = todo.pop()
+    i = g.producer.get(v)
+    if v is stop or i is None or i in seen:
+      continue
+    seen.add(i)
+    todo.extend(a for a in map(g.resolve, g.eqns[i].invars) if not is_literal(a))
+  return seen
+
+
+_ACT_PRIMS = ("logistic", "mul", "add", "sub", "div", "neg", "max", "min", "tanh", "exp",
+              "integer_pow", "pow", "convert_element_type", "erf", "sqrt", "rsqrt", "abs",
+              "square", "select_n", "ge", "gt", "le", "lt")
+
+
+def _activation(g: Graph, y):
+  """``(activation, output variable)`` where y feeds only an elementwise SiLU / GELU / ReLU."""
+  test = np.linspace(-8.0, 8.0, 161, dtype=np.float32)
+  avail = {y}
+  chosen = []
+  best = None
+  frontier = set(g.consumers.get(y, ()))
+  for _ in range(12):
+    ready = sorted(i for i in frontier if g.eqns[i].primitive.name in _ACT_PRIMS and all(
+        (not is_literal(a) and g.resolve(a) in avail) or g.scalar(a) is not None
+        for a in g.eqns[i].invars) and len(g.eqns[i].outvars) == 1)
+    if not ready:
+      break
+    i = ready[0]
+    frontier.discard(i)
+    chosen.append(i)
+    out = g.eqns[i].outvars[0]
+    avail.add(out)
+    frontier |= set(g.consumers.get(out, ()))
+    members = set(chosen)
+    escape = [v for v in avail if v in g.out_set or any(c not in members for c in g.consumers.get(v, ()))]
+    if escape != [out] or g.scope_var(out) is None:
+      continue
+    got = _eval_elementwise(g, [g.eqns[j] for j in chosen], y, out, test)
+    if got is None:
+      continue
+    for act in _activations.ACTIVATIONS:
+      with jax.ensure_compile_time_eval():
+        want = np.asarray(_activations.apply(jnp.asarray(test), act), np.float64)
+      if np.allclose(got, want, rtol=1e-4, atol=1e-5):
+        best = (act, out)
+  return best
+
+
+def _eval_elementwise(g: Graph, eqns, y, out, test):
+  """``out`` as a function of ``y`` at the points ``test`` (float64 NumPy), else None."""
+  try:
+    with jax.ensure_compile_time_eval():
+      env = {y: jnp.asarray(test)}
+      for e in eqns:
+        ins = []
+        for a in e.invars:
+          r = g.resolve(a)
+          ins.append(env[r] if not is_literal(r) and r in env else
+                     jnp.asarray(g.scalar(a), dtype=getattr(a.aval, "dtype", jnp.float32)))
+        params = dict(e.params)
+        env[e.outvars[0]] = e.primitive.bind(*ins, **params)
+      return np.asarray(env[out], np.float64)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _dtype_op(kind, y_dtype, x_dtype):
+  """The op's ``out_dtype`` for y's dtype, and whether y must be cast after it."""
+  y_dtype, x_dtype = jnp.dtype(y_dtype), jnp.dtype(x_dtype)
+  if y_dtype == x_dtype:
+    return None
+  if y_dtype == jnp.float32:
+    return y_dtype
+  if kind != "group" and x_dtype == jnp.float32 and y_dtype in SUPPORTED_X:
+    return y_dtype
+  return "cast"
+
+
+def _residual(g: Graph, x, y):
+  """``(a, b)`` where x = a + b is also used besides the norm (the fused residual form), else None."""
+  e = g.producer_eqn(x)
+  if e is None or e.primitive.name != "add":
+    return None
+  ab = [g.resolve(a) for a in e.invars]
+  if any(is_literal(a) or a.aval.shape != x.aval.shape or a.aval.dtype != x.aval.dtype or
+         g.scope_var(a) is None for a in ab):
+    return None
+  anc = _ancestors(g, y, x)
+  if x not in g.out_set and all(c in anc for c in g.consumers.get(x, ())):
+    return None
+  return tuple(g.scope_var(a) for a in ab)
+
+
+def find(g: Graph):
+  """All matches and near misses of the graph's candidates."""
+  matches: list[Match] = []
+  misses: list[NearMiss] = []
+  for views in candidates(g):
+    miss = None
+    for cand in views:
+      interpret(cand, g.producer.get(cand.root, -1) + 1)
+      found, reason, tried = _candidate_matches(g, cand)
+      if found:
+        break
+      if miss is None and tried is not None and reason:
+        miss = NearMiss(tuple(tried.aval.shape), tried.aval.dtype, reason, source_of(g, tried))
+    for m in found:
+      if not any(set(m.outputs) & set(o.outputs) for o in matches):
+        matches.append(m)
+    if not found and miss is not None:
+      misses.append(miss)
+  return matches, misses
+
+
+def _candidate_matches(g: Graph, cand: Candidate):
+  root_sig = _sig(cand, cand.root_dims)
+  built = {}
+  reason, tried = None, None
+  layout, layout_why = _layout(cand)
+  for v, a in cand.abs.items():
+    if v is cand.root or not a.poly.get(1) or set(a.poly) - {0, 1} or tuple(v.aval.shape) != tuple(cand.root.aval.shape):
+      continue
+    if _sig(cand, a.dims) != root_sig or not al.has_moments(a.poly):
+      continue
+    tried = v
+    norm, why = al.identify(a.poly)
+    if norm is None:
+      reason = why
+      continue
+    if layout is None:
+      reason = layout_why
+      continue
+    m, why = _build(g, cand, v, norm, layout)
+    if m is None:
+      reason, tried = why, v
+      continue
+    built[v] = m
+  # A value is covered when its one reader stays in the region and ends in a match (xhat
+  # before its scale, a norm before an einsum's transposes, a down-cast): only the last is
+  # replaced. A value read twice is the match itself, each reader fed from the one op.
+  leads: dict = {}
+  for v in reversed(list(cand.abs)):
+    leads[v] = v in built or _covered(g, cand, v, leads)
+  # A value computed from a replaced one (a norm's result, then scaled again on its way to
+  # another norm's statistics) is left to the equations after that op.
+  after: dict = {}
+  found = []
+  for v in cand.abs:
+    i = g.producer.get(v)
+    ins = () if i is None else [a for a in map(g.resolve, g.eqns[i].invars)
+                                if not is_literal(a) and a in cand.abs]
+    after[v] = any(after[a] for a in ins)
+    if v in built and not after[v] and not _covered(g, cand, v, leads):
+      found.append(built[v])
+      after[v] = True
+  return found, reason, tried
+
+
+def _covered(g: Graph, cand: Candidate, v, leads: dict) -> bool:
+  """Whether v's one reader carries the norm on to a later match (which then computes v's value).
+
+  An up-cast of a rounded value carries it on only where the chain goes on past
+  the up-cast: where the up-cast is read twice, the rounded tensor is the op's
+  result (the next norm's input, say), not the float32 value before it.
+  """
+  readers = set(g.consumers.get(v, ()))
+  if len(readers) != 1 or v in g.out_set:
+    return False
+  e = g.eqns[readers.pop()]
+  if cast_direction(e) > 0:
+    return all(o in cand.abs and _covered(g, cand, o, leads) for o in e.outvars)
+  return all(o in cand.abs and leads.get(o, False) for o in e.outvars)
+
+
+def _build(g: Graph, cand: Candidate, y, norm: al.Norm, layout):
+  x = cand.root
+  xs = g.scope_var(x)
+  ys = g.scope_var(y)
+  if xs is None or ys is None:
+    return None, "x or the result is a value inside a nested jit (matched there instead)"
+  if jnp.dtype(x.aval.dtype) not in SUPPORTED_X:
+    return None, f"x is {jnp.dtype(x.aval.dtype).name}: the kernels take float32, bfloat16, float16"
+  if layout[0] == "layer":
+    param_axes = tuple(l for l in sorted(cand.reduced) if cand.sizes[l] > 1)
+    norm_ndim = layout[1]
+    param_shape = tuple(x.aval.shape[len(x.aval.shape) - norm_ndim:])
+  else:
+    _, lead, chan, gl, cgl = layout
+    param_axes = (gl,) + ((cgl,) if cgl is not None else ())
+    param_shape = (math.prod(cand.sizes[l] for l in param_axes),)
+  used = {f for m in list(norm.weight) + list(norm.bias) for f, _ in m}
+  for f in used:
+    extra = _factor_labels(cand, cand.factors[f]) - set(param_axes)
+    if extra:
+      return None, ("the scale or offset varies along axes the statistics are kept for "
+                    "(a modulation per row, not a parameter)")
+    if g.scope_var(cand.factors[f].atom) is None and g.value(cand.factors[f].atom) is None and (
+        cand.factors[f].atom not in g.large_const):
+      return None, "the scale or offset is computed inside a nested jit"
+  common = dict(x=xs, residual=None, outputs={ys: "y"}, eps=float(norm.eps), weight=norm.weight,
+                bias=norm.bias, factors=cand.factors, labels=cand.label, param_axes=param_axes,
+                param_sizes={l: cand.sizes[l] for l in param_axes}, param_shape=param_shape,
+                y_dtype=y.aval.dtype, source=source_of(g, y), shape=tuple(x.aval.shape),
+                dtype=x.aval.dtype)
+  if layout[0] == "layer":
+    op = "layer_norm" if norm.kind == "layer" else "rms_norm"
+    m = Match(op=op, norm_ndim=layout[1], **common)
+    if jnp.dtype(y.aval.dtype) == jnp.dtype(x.aval.dtype):
+      res = _residual(g, x, y)
+      if res is not None:
+        m.op = "add_" + op
+        m.residual = res
+        m.outputs = {ys: "y", xs: "h"}
+    return m, None
+  if norm.kind != "layer":
+    return None, "an RMSNorm over a group's channels (no such op)"
+  m = Match(op="group_norm", lead_ndim=layout[1], channel_axis=layout[2],
+            groups=cand.sizes[layout[3]], **common)
+  act = _activation(g, y)
+  if act is not None and g.scope_var(act[1]) is not None:
+    m.activation = act[0]
+    m.outputs = {g.scope_var(act[1]): "y"}
+    m.y_dtype = act[1].aval.dtype
+  return m, None

@@ -1,0 +1,404 @@
+"""The transformation: trace, find the norms, evaluate the jaxpr with the matched ones on this package's ops.
+
+:func:`rewrite` traces the function to a jaxpr (``jax.make_jaxpr``), finds
+the norms of each jaxpr (:mod:`._identify`), and evaluates it as
+``jax.core.eval_jaxpr`` would, equation by equation, except that a matched
+norm's result is computed by the op (``jax_normgrad.layer_norm`` ...) from
+its input and parameters. Only what the outputs need is evaluated, so the
+equations of a replaced norm are dropped unless something else reads an
+intermediate (the mean, the rstd), which is then computed as before.
+
+Nested jaxprs keep their structure: a ``jit``'s, ``scan``'s, ``while``'s,
+``cond``'s, and ``custom_jvp`` / ``custom_vjp`` function's body is rewritten
+to a new jaxpr of the same type (``jax.make_jaxpr`` of the evaluation) and
+the primitive bound again with it; a ``checkpoint`` body is evaluated under
+``jax.checkpoint`` with the same policy. A body with no match is passed on
+unchanged (the very same jaxpr object).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from jax_normgrad import _compat
+from jax_normgrad._rewrite import _identify
+from jax_normgrad._rewrite._graph import Graph, is_literal
+from jax_normgrad._rewrite._report import RewriteReport
+from jax_normgrad.ops.add_norm import add_layer_norm, add_rms_norm
+from jax_normgrad.ops.group_norm import group_norm
+from jax_normgrad.ops.layer_norm import layer_norm
+from jax_normgrad.ops.rms_norm import rms_norm
+
+_CLOSED_PARAMS = {  # primitive -> its params holding ClosedJaxprs of the same signature when rewritten
+    "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",),
+    "scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",),
+    "custom_jvp_call": ("call_jaxpr",), "custom_vjp_call": ("call_jaxpr",),
+}
+_REMAT = ("remat2", "checkpoint", "remat")
+
+
+class _Rewriter:
+  """One rewrite of one trace: the report, and the nested jaxprs already rewritten."""
+
+  def __init__(self):
+    self.report = RewriteReport()
+    self.closed_memo: dict = {}
+    self.applied = 0
+
+  # -- analysis ----------------------------------------------------------------
+
+  def plan(self, jaxpr, consts, where):
+    """The graph, the matches and the evaluation order (:func:`_schedule`) of one jaxpr."""
+    g = Graph(jaxpr, consts)
+    matches, misses = _identify.find(g)
+    order, cyclic = _schedule(jaxpr, matches, g)
+    while cyclic:
+      # A safety net: a match whose op would read a value computed from its own result
+      # (a matcher error) is dropped, announced, and its norm runs as written.
+      warnings.warn(f"jax_normgrad.rewrite: {len(cyclic)} match(es) in {where or 'the function'} "
+                    f"would read their own results ({', '.join(m.source or m.op for m in cyclic)}); "
+                    "they run as written", RuntimeWarning, stacklevel=4)
+      matches = [m for m in matches if not any(m is c for c in cyclic)]
+      order, cyclic = _schedule(jaxpr, matches, g)
+    for m in matches:
+      self.report.add_match(m, where, _factor_namer(m))
+    for miss in misses:
+      self.report.add_miss(miss, where)
+    return g, matches, order
+
+  # -- evaluation --------------------------------------------------------------
+
+  def run(self, jaxpr, consts, args, where=""):
+    """The jaxpr's outputs on ``args``, its matched norms computed by the ops."""
+    g, matches, order = self.plan(jaxpr, consts, where)
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    replaced = {v for m in matches for v in m.outputs}
+
+    def read(atom):
+      return atom.val if is_literal(atom) else env[atom]
+
+    for step in order:
+      if isinstance(step, int):
+        e = jaxpr.eqns[step]
+        outs = self.bind(e, [read(a) for a in e.invars], where)
+        env.update((o, val) for o, val in zip(e.outvars, outs)
+                   if not isinstance(o, jcore.DropVar) and o not in replaced)
+      else:
+        env.update(_apply(matches[step[1]], read, g))
+        self.applied += 1
+    return [read(a) for a in jaxpr.outvars]
+
+  def bind(self, e, invals, where):
+    name = e.primitive.name
+    params = dict(e.params)
+    sub = f"{where} > {name}" if where else name
+    if name in _REMAT:
+      inner = params["jaxpr"]
+      fun = lambda *a: self.run(inner, (), a, sub)
+      outs = jax.checkpoint(fun, prevent_cse=params.get("prevent_cse", True),
+                            policy=params.get("policy"))(*invals)
+      return outs
+    for key in _CLOSED_PARAMS.get(name, ()):
+      val = params[key]
+      if isinstance(val, tuple):
+        params[key] = tuple(self.rewrite_closed(c, f"{sub}[{i}]") for i, c in enumerate(val))
+      elif isinstance(val, jcore.ClosedJaxpr):
+        params[key] = self.rewrite_closed(val, f"{sub}({params.get('name', '')})"
+                                          if params.get("name") else sub)
+    if params != e.params:
+      e = e.replace(params=params)
+    with source_info_util.user_context(e.source_info.traceback,
+                                       name_stack=e.source_info.name_stack):
+      out = _compat.bind_equation(e, invals)
+    return out if e.primitive.multiple_results else [out]
+
+  def rewrite_closed(self, closed, where):
+    """The closed jaxpr with its norms rewritten; the same object when there were none."""
+    key = id(closed)
+    if key in self.closed_memo:
+      return self.closed_memo[key][1]
+    before = self.applied
+    new = jax.make_jaxpr(lambda *a: self.run(closed.jaxpr, closed.consts, a, where))(
+        *closed.in_avals)
+    if self.applied == before:
+      new = closed
+    elif [(a.shape, a.dtype, a.weak_type) for a in new.out_avals] != [
+        (a.shape, a.dtype, a.weak_type) for a in closed.out_avals]:
+      warnings.warn(f"jax_normgrad.rewrite: the rewritten {where} changed its result types "
+                    f"({new.out_avals} instead of {closed.out_avals}); it runs unchanged",
+                    RuntimeWarning, stacklevel=3)
+      new = closed
+    self.closed_memo[key] = (closed, new)
+    return new
+
+
+def _schedule(jaxpr, matches, g):
+  """``(order, cyclic)``: the steps that compute the outputs, each after what it reads.
+
+  A step is an equation's index or ``("match", k)``, matches[k] computed by
+  its op from x and the parameters (:func:`_inputs`), standing in for the
+  equations that produced its outputs. Only what the outputs and the
+  effectful equations need is scheduled, so a replaced norm's equations
+  are dropped unless something else reads an intermediate (the mean, the
+  rstd). The equations keep their order where they can. ``cyclic``: the
+  matches on a cycle (empty for a sound plan), when the order is None.
+  """
+  producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+  replaced = {v: ("match", k) for k, m in enumerate(matches) for v in m.outputs}
+
+  def node_of(atom):
+    if is_literal(atom):
+      return None
+    return replaced.get(atom, producer.get(atom))
+
+  def deps(node):
+    atoms = jaxpr.eqns[node].invars if isinstance(node, int) else _inputs(matches[node[1]], g)
+    return [n for n in map(node_of, atoms) if n is not None]
+
+  roots = [i for i, e in enumerate(jaxpr.eqns) if e.effects]
+  roots += [n for n in map(node_of, jaxpr.outvars) if n is not None]
+  needed, cycle = _postorder(roots, deps)
+  if cycle is not None:
+    return None, [matches[n[1]] for n in cycle if not isinstance(n, int)]
+  # Again from the needed equations in their order: each runs where it was, a match before
+  # its first reader.
+  first = sorted(n for n in needed if isinstance(n, int))
+  order, _ = _postorder(first + [n for n in roots if not isinstance(n, int)], deps)
+  return order, []
+
+
+def _postorder(roots, deps):
+  """``(nodes, None)``: the nodes the roots reach, each after its deps; ``(None, cycle)`` on a cycle."""
+  order, state = [], {}  # state: 1 while on the stack, 2 when placed
+  for root in roots:
+    if root in state:
+      continue
+    stack = [(root, iter(deps(root)))]
+    state[root] = 1
+    while stack:
+      node, it = stack[-1]
+      nxt = next(it, None)
+      if nxt is None:
+        stack.pop()
+        state[node] = 2
+        order.append(node)
+      elif nxt not in state:
+        state[nxt] = 1
+        stack.append((nxt, iter(deps(nxt))))
+      elif state[nxt] == 1:
+        nodes = [n for n, _ in stack]
+        return None, nodes[nodes.index(nxt):]
+  return order, None
+
+
+def _inputs(m, g):
+  """The variables of the jaxpr a match reads at run time."""
+  out = list(m.residual) if m.residual else [m.x]
+  used = {f for mono in list(m.weight) + list(m.bias) for f, _ in mono}
+  for f in used:
+    sv = g.scope_var(m.factors[f].atom)
+    if sv is not None:
+      out.append(sv)
+  return out
+
+
+def _factor_namer(m):
+  def name(f):
+    atom = m.factors[f].atom
+    if is_literal(atom):
+      return repr(atom.val)
+    return atom.aval.str_short()
+  return name
+
+
+# ----------------------------------------------------------------------------
+# A match, computed by the op.
+
+
+def _factor_value(m, f, read, g):
+  fac = m.factors[f]
+  atom = fac.atom
+  sv = g.scope_var(atom)
+  if sv is not None:
+    v = read(sv)
+  else:
+    v = g.value(atom)
+    v = g.large_const[atom] if v is None else v
+  v = jnp.asarray(v, jnp.float32)
+  if not fac.dims:
+    return jnp.broadcast_to(v.reshape(()), m.param_shape)
+  for d in sorted(fac.const_dims):
+    if v.shape[d] > 1:
+      v = jax.lax.slice_in_dim(v, 0, 1, axis=d)
+  shape, labels = [], []
+  for d, ents in enumerate(fac.dims):
+    if v.shape[d] == 1:
+      continue
+    for lab, size, _ in ents:
+      if size > 1:
+        shape.append(size)
+        labels.append(m.labels(lab))
+  v = v.reshape(shape)
+  order = sorted(range(len(labels)), key=lambda i: m.param_axes.index(labels[i]))
+  v = jnp.transpose(v, order)
+  labels = [labels[i] for i in order]
+  v = v.reshape([m.param_sizes[a] if a in labels else 1 for a in m.param_axes])
+  v = jnp.broadcast_to(v, [m.param_sizes[a] for a in m.param_axes])
+  return v.reshape(m.param_shape)
+
+
+def _combination(m, terms, read, g, is_weight):
+  if not terms or (is_weight and set(terms) == {()} and terms[()] == 1.0):
+    return None
+  total = None
+  for mono, c in terms.items():
+    t = jnp.full(m.param_shape, c, jnp.float32)
+    for f, p in mono:
+      fv = _factor_value(m, f, read, g)
+      t = t * (fv if p == 1 else fv ** p)
+    total = t if total is None else total + t
+  return total
+
+
+def _apply(m, read, g) -> dict:
+  """``{variable: value}`` of the match's outputs, computed by the op."""
+  x = read(m.residual[0]) if m.residual else read(m.x)
+  w = _combination(m, m.weight, read, g, True)
+  b = _combination(m, m.bias, read, g, False)
+  kind = "group" if m.op == "group_norm" else "layer"
+  od = _identify._dtype_op(kind, m.y_dtype, x.dtype)
+  out_dtype = None if od == "cast" else od
+  outs = {}
+  if m.op in ("layer_norm", "rms_norm"):
+    kw = dict(normalized_shape=x.shape[x.ndim - m.norm_ndim:], eps=m.eps, out_dtype=out_dtype)
+    if m.op == "layer_norm":
+      y = layer_norm(x, w, b, **kw)
+    else:
+      y = rms_norm(x, w, **kw)
+      if b is not None:
+        y = (y.astype(jnp.float32) + b).astype(y.dtype)
+  elif m.op in ("add_layer_norm", "add_rms_norm"):
+    a, r = (read(v) for v in m.residual)
+    kw = dict(normalized_shape=x.shape[x.ndim - m.norm_ndim:], eps=m.eps)
+    if m.op == "add_layer_norm":
+      y, h = add_layer_norm(a, r, w, b, **kw)
+    else:
+      y, h = add_rms_norm(a, r, w, **kw)
+      if b is not None:
+        y = (y.astype(jnp.float32) + b).astype(y.dtype)
+    outs["h"] = h
+  else:
+    lead = int(np.prod(x.shape[:m.lead_ndim]))
+    x2 = x.reshape((lead,) + x.shape[m.lead_ndim:])
+    y = group_norm(x2, m.groups, w, b, eps=m.eps, channel_axis=m.channel_axis,
+                      out_dtype=out_dtype, activation=m.activation)
+    y = y.reshape(x.shape)
+  outs["y"] = y if y.dtype == m.y_dtype else y.astype(m.y_dtype)
+  return {v: outs[role] for v, role in m.outputs.items()}
+
+
+# ----------------------------------------------------------------------------
+# The public functions.
+
+
+def _is_array(leaf) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "aval")
+
+
+def _split(args, kwargs, dynamic):
+  """``(values, rebuild)``: the leaves ``dynamic`` picks, and ``(args, kwargs)`` from new values for them."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dyn = [i for i, leaf in enumerate(leaves) if dynamic(leaf)]
+
+  def rebuild(values):
+    full = list(leaves)
+    for i, val in zip(dyn, values):
+      full[i] = val
+    return jax.tree.unflatten(treedef, full)
+
+  return [leaves[i] for i in dyn], rebuild
+
+
+def _trace(fun, args, kwargs):
+  """``(closed jaxpr, its dynamic arguments, output tree)``: arrays traced, other leaves static."""
+  values, rebuild = _split(args, kwargs, _is_array)
+
+  def flat_fun(*values):
+    a, k = rebuild(values)
+    return fun(*a, **k)
+
+  closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*values)
+  return closed, values, jax.tree.structure(out_shape)
+
+
+def rewrite(fun, *, report=False):
+  """``fun`` with every LayerNorm, RMSNorm and GroupNorm it computes run by this package's ops.
+
+  The returned function has ``fun``'s signature. Each call traces ``fun`` to a
+  jaxpr (``jax.make_jaxpr``; array arguments are traced, every other leaf is
+  static), finds the norms by what they compute (docs/rewrite.md lists the
+  forms), and evaluates the jaxpr with each norm's result computed by
+  :func:`jax_normgrad.layer_norm`, :func:`~jax_normgrad.rms_norm`,
+  :func:`~jax_normgrad.group_norm` (a SiLU, GELU or ReLU after it fused) or
+  :func:`~jax_normgrad.add_layer_norm` / :func:`~jax_normgrad.add_rms_norm`
+  (a residual add before it whose sum is also used), with the same eps,
+  scale, offset and output dtype. Everything else is evaluated unchanged.
+
+  Wrap the result in ``jax.jit`` (the trace and the matching then run once
+  per compile) and differentiate the result, not the other way round:
+  ``jax.jit(jax.grad(rewrite(loss)))``. A function that already holds a
+  gradient has the norms' forward in its jaxpr, which is rewritten, but its
+  backward is XLA's transposed code, which is left alone.
+
+  Args:
+    fun: a function of arrays and pytrees of arrays.
+    report: False; True prints the :class:`RewriteReport` of each trace; a
+      callable is called with it.
+
+  Returns:
+    The rewritten function.
+  """
+  if not callable(fun):
+    raise TypeError(f"fun: expected a callable, got {type(fun).__name__}")
+  if not (isinstance(report, bool) or callable(report)):
+    raise TypeError(f"report: expected a bool or a callable, got {type(report).__name__}")
+
+  @functools.wraps(fun)
+  def rewritten(*args, **kwargs):
+    closed, values, out_tree = _trace(fun, args, kwargs)
+    rw = _Rewriter()
+    outs = rw.run(closed.jaxpr, closed.consts, values)
+    if report is True:
+      print(rw.report)
+    elif callable(report):
+      report(rw.report)
+    return jax.tree.unflatten(out_tree, outs)
+
+  return rewritten
+
+
+def explain_rewrite(fun, *args, **kwargs) -> RewriteReport:
+  """The :class:`RewriteReport` of ``rewrite(fun)(*args, **kwargs)``, traced abstractly (nothing runs).
+
+  ``args`` may be arrays or ``jax.ShapeDtypeStruct``s; other leaves are static, as in
+  :func:`rewrite`.
+  """
+  reports = []
+  new = rewrite(fun, report=reports.append)
+  values, rebuild = _split(args, kwargs,
+                           lambda leaf: _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct))
+
+  def call(*values):
+    a, k = rebuild(values)
+    return new(*a, **k)
+
+  jax.eval_shape(call, *values)
+  return reports[-1]
