@@ -65,6 +65,25 @@ def without_varying(aval):
   return aval.update(vma=frozenset())
 
 
+def shard_map_of(params: dict):
+  """``fun -> jax.shard_map(fun, ...)`` as a ``shard_map`` equation with ``params`` calls it.
+
+  For the rewrite (``jax_normgrad._rewrite``), which evaluates a ``shard_map``
+  body again inside a ``shard_map`` of the same mesh, specs, manual axes and
+  varying-axes check. None where this jax names the parameters otherwise.
+  """
+  try:
+    mesh, in_specs, out_specs = params["mesh"], params["in_specs"], params["out_specs"]
+  except KeyError:
+    return None
+  check = params.get("check_vma", params.get("check_rep"))
+  axes = params.get("newly_manual_axes", params.get("manual_axes"))
+  if check is None or axes is None or not hasattr(jax, "shard_map"):
+    return None
+  return lambda fun: jax.shard_map(fun, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                   axis_names=set(axes), check_vma=check)
+
+
 def pvary(x, axes: tuple):
   """``x`` marked varying over the manual mesh ``axes`` (its transpose is a ``psum``)."""
   if hasattr(jax.lax, "pcast"):

@@ -619,3 +619,31 @@ def test_export_round_trip_of_a_sharded_shard_map_step():
   restored = jax.export.deserialize(exported.serialize())
   args = (jax.device_put(X, sx), jax.device_put(W, sr), jax.device_put(B, sr))
   _close(restored.call(*args), jax.jit(jax.grad(_ln_loss, argnums=(0, 1, 2)))(X, W, B))
+
+
+# ----------------------------------------------------------------------------
+# The rewrite (jax_normgrad.rewrite) under sharded jit and into shard_map bodies.
+
+
+@eight
+@pytest.mark.parametrize("where", ["sharded jit", "shard_map"])
+def test_rewrite_of_a_sharded_step(where):
+  """A jnp LayerNorm's step under ``rewrite``: the kernels in the step (under sharded jit, the
+  partitioned op; inside a ``shard_map`` body, rewritten in place), values and gradients as
+  the jnp step's."""
+  mesh = _mesh((8,), ("d",))
+  x, w, b = _put(X, mesh, "d"), W, B
+  if where == "shard_map":
+    body = jax.shard_map(_ref_ln, mesh=mesh, in_specs=(P("d"), P(), P()), out_specs=P("d"))
+  else:
+    body = _ref_ln
+  loss = lambda x, w, b: jnp.sum(body(x, w, b) ** 2 * jnp.cos(jnp.arange(64)))
+  step = jax.jit(jax.value_and_grad(jn.rewrite(loss), argnums=(0, 1, 2)))
+  report = jn.explain_rewrite(loss, x, w, b)
+  assert len(report.matches) == 1 and not report.near_misses, report
+  text = _hlo(step, x, w, b)  # compiled: the partitioned op's kernels are placed then
+  assert "jax_normgrad_layer_norm_fwd" in text and "jax_normgrad_layer_norm_bwd" in text
+  with jax.set_mesh(mesh):
+    got = step(x, w, b)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w, b)
+  _close(got, want)

@@ -111,6 +111,15 @@ class Graph:
               self.scope_vars.add(o)
               self.exposed.setdefault(self.alias[o], o)
         continue
+      if _value_identity(e):
+        # A type cast that leaves the value as it is (shard_map's pvary of a constant or a
+        # replicated parameter): the same value to the matcher.
+        self.alias[e.outvars[0]] = source = self.resolve(e.invars[0])
+        if top:
+          self.scope_vars.add(e.outvars[0])
+          if not is_literal(source):
+            self.exposed.setdefault(source, e.outvars[0])
+        continue
       self.eqns.append(e)
       self.path.append(path)
       if top:
@@ -221,3 +230,10 @@ class Graph:
               frozenset(range(len(shape))) for a in e.invars]
       dims |= set.intersection(*map(set, sets)) if sets else set()
     return frozenset(dims)
+
+
+def _value_identity(e) -> bool:
+  """An equation whose one result is its one operand's value: ``pvary`` / ``pcast`` to varying."""
+  name = e.primitive.name
+  return len(e.invars) == 1 and len(e.outvars) == 1 and (
+      name == "pvary" or (name == "pcast" and str(e.params.get("to", "")).endswith("varying")))

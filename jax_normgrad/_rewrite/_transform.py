@@ -12,7 +12,8 @@ Nested jaxprs keep their structure: a ``jit``'s, ``scan``'s, ``while``'s,
 ``cond``'s, and ``custom_jvp`` / ``custom_vjp`` function's body is rewritten
 to a new jaxpr of the same type (``jax.make_jaxpr`` of the evaluation) and
 the primitive bound again with it; a ``checkpoint`` body is evaluated under
-``jax.checkpoint`` with the same policy. A body with no match is passed on
+``jax.checkpoint`` with the same policy, a ``shard_map`` body under
+``jax.shard_map`` with the same mesh, specs and manual axes. A body with no match is passed on
 unchanged (the very same jaxpr object).
 """
 
@@ -106,6 +107,11 @@ class _Rewriter:
       outs = jax.checkpoint(fun, prevent_cse=params.get("prevent_cse", True),
                             policy=params.get("policy"))(*invals)
       return outs
+    if name == "shard_map" and not params["jaxpr"].constvars:
+      make = _compat.shard_map_of(params)
+      if make is not None:
+        inner = params["jaxpr"]
+        return list(make(lambda *a: tuple(self.run(inner, (), a, sub)))(*invals))
     for key in _CLOSED_PARAMS.get(name, ()):
       val = params[key]
       if isinstance(val, tuple):
