@@ -596,9 +596,9 @@ def main(argv=None) -> int:
                       help="run the rows whose name (e.g. 'ln 32768x1024 bfloat16') contains "
                            "this text, or one of these comma-separated texts")
   parser.add_argument("--gpu-backend", choices=_settings.CHOICES[_settings.GPU_BACKEND_ENV],
-                      default="triton",
                       help="the Pallas GPU backend of the package's kernels (sets "
-                      f"{_settings.GPU_BACKEND_ENV}; what Mosaic GPU cannot run, such as "
+                      f"{_settings.GPU_BACKEND_ENV} before anything is traced; default: the "
+                      "variable's value, else triton; what Mosaic GPU cannot run, such as "
                       "channels-last GroupNorm past ~25K channels, Triton runs with a "
                       "FallbackWarning)")
   parser.add_argument("--residual", action="store_true",
@@ -607,7 +607,9 @@ def main(argv=None) -> int:
                       help="without PyTorch's, Liger-Kernel's and tokamax's columns (and torch's "
                       "clone)")
   args = parser.parse_args(argv)
-  os.environ[_settings.GPU_BACKEND_ENV] = args.gpu_backend
+  if args.gpu_backend:
+    os.environ[_settings.GPU_BACKEND_ENV] = args.gpu_backend
+  args.gpu_backend = _settings.current().gpu_backend or "triton"
   if jax.default_backend() != "gpu" and not args.smoke:
     print(f"note: no GPU ({jax.default_backend()}); these are not GPU figures", file=sys.stderr)
   info = machine()
