@@ -463,7 +463,7 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   :func:`saves_interval` from the round medians, or None.
 
   With ``profile_rounds``, each variant's step is also profiled in that
-  many interleaved rounds of 2 calls (:func:`jax_normgrad.bench_lib.step_op_ms`):
+  many interleaved rounds of 2 calls (:func:`bench_lib.step_op_ms`):
   ``<variant>_op_ms`` holds the medians of its summed op times (``ops``,
   ``matmul``, ``other``: ms per step), and ``<variant>_saves_by_op_time``
   the saved share computed from the ``other`` times, the passes besides
