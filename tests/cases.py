@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 
@@ -134,10 +135,13 @@ def needs_mosaic_gpu(obj):
 
 def child_env(**extra) -> dict:
   """The environment for a test's child ``python -m pytest``: this one, plus ``extra``, with
-  ``PYTEST_ADDOPTS="--numprocesses=0"``. The suite runs on every core (pyproject.toml's
-  ``addopts``: pytest-xdist); the child runs whole inside one worker, serially, and its own
-  plugins (the third-party suites' patch counter) see every test in one process."""
-  env = dict(os.environ, PYTEST_ADDOPTS="--numprocesses=0")
+  ``PYTEST_ADDOPTS="--numprocesses=0"`` (none without pytest-xdist). The suite runs on every
+  core (pyproject.toml's ``addopts``: pytest-xdist); the child runs whole inside one worker,
+  serially, and its own plugins (the third-party suites' patch counter) see every test in one
+  process."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+  if importlib.util.find_spec("xdist") is not None:
+    env["PYTEST_ADDOPTS"] = "--numprocesses=0"
   env.update(extra)
   return env
 
