@@ -42,10 +42,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROOT_DIRS = ("jax_normgrad", "tests", "benchmarks", "docs", "csrc", "examples", "notebooks",
              "cmake", ".ci")
 PACKAGE_DIRS = ("pallas", "ops", "primitives")
-#: Folders that are not read, each with why.
+#: Folders that are not read, each with why; nor are hidden ones other than .ci (git, caches,
+#: virtual environments).
 SKIP_DIRS = {
-    ".git": "not the project's text",
     "build": "build output (git-ignored)",
+    "dist": "built wheels (git-ignored)",
     "tests/third_party": "vendored tests; its README names paths of the libraries' repositories",
     "benchmarks/recorded": "recorded results (JSON), named by the benchmarks that wrote them",
 }
@@ -69,10 +70,11 @@ _MD_LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)|^\[[^\]\n]+\]:\s*(\S+)", re.M)
 _MD_ANCHOR = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.md)#([\w-]+)")
 
 
-def _skipped(path: pathlib.Path) -> bool:
-  rel = path.relative_to(ROOT).as_posix()
-  return any(rel == d or rel.startswith(d + "/") for d in SKIP_DIRS) or any(
-      part.startswith(".venv") or part == "__pycache__" for part in path.parts)
+def _skipped(path: pathlib.Path, folder: bool) -> bool:
+  rel = path.relative_to(ROOT)
+  folders = rel.parts if folder else rel.parts[:-1]
+  return any(rel.as_posix() == d or rel.as_posix().startswith(d + "/") for d in SKIP_DIRS) or any(
+      (part.startswith(".") and part != ".ci") or part == "__pycache__" for part in folders)
 
 
 @functools.cache
@@ -80,8 +82,8 @@ def _files() -> tuple[pathlib.Path, ...]:
   out = []
   for folder, dirs, files in os.walk(ROOT):
     here = pathlib.Path(folder)
-    dirs[:] = sorted(d for d in dirs if not _skipped(here / d))
-    out += [here / f for f in sorted(files) if not _skipped(here / f)]
+    dirs[:] = sorted(d for d in dirs if not _skipped(here / d, folder=True))
+    out += [here / f for f in sorted(files) if not _skipped(here / f, folder=False)]
   return tuple(out)
 
 
