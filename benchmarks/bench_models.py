@@ -65,7 +65,7 @@ of 10, whichever variant's op that was.
 
 ``--trace-calls N``: after the timed rounds, one ``jax.profiler`` trace per
 model and dtype holding N calls of each variant's step
-(:func:`jax_normgrad.bench_lib.trace_steps`; ``--trace-variants``), saved
+(``bench_lib.trace_steps``; ``--trace-variants``), saved
 beside the JSON (``--trace-dir``), each variant's kernel times, launches and
 the step's time with no kernel running in the row (``<variant>_trace``).
 The steps are then compiled with ``xla_enable_command_buffers_during_profiling``:
@@ -505,7 +505,7 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   :func:`bench_lib.saves_interval` from the round medians, or None.
 
   With ``profile_rounds``, each variant's step is also profiled in that
-  many interleaved rounds of 2 calls (:func:`jax_normgrad.bench_lib.step_op_ms`):
+  many interleaved rounds of 2 calls (:func:`bench_lib.step_op_ms`):
   ``<variant>_op_ms`` holds the medians of its summed op times (``ops``,
   ``matmul``, ``other``: ms per step), and ``<variant>_saves_by_op_time``
   the saved share computed from the ``other`` times, the passes besides

@@ -1,6 +1,6 @@
 """GroupNorm's kernels against the pure-JAX reference at a UNet's shapes, on the device in hand.
 
-A quick check for a GPU session before timing new kernels: y, the
+A quick check on a GPU machine before timing new kernels: y, the
 statistics and every gradient of ``jax_normgrad.group_norm`` (the platform's
 kernels) against ``implementation="xla"``, channels-last with 32 groups of 2
 to 8 channels (the sample-wide kernels, split and whole) and with an

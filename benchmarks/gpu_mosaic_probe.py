@@ -10,8 +10,8 @@ checkout's sources, not an installed copy)::
 
     PYTHONPATH=. python benchmarks/gpu_mosaic_probe.py --lowered   # what each compile is given
 
-In two GPU sessions ``bench_gpu.py --gpu-backend mosaic_gpu`` finished no
-row in 80 s, which does not say whether the compile or the kernels take the
+``bench_gpu.py --gpu-backend mosaic_gpu`` has finished no row in 80 s on a
+GPU machine, which does not say whether the compile or the kernels took the
 time. This script times each phase of ``layer_norm_fwd`` and
 ``layer_norm_backward`` under ``implementation="mosaic_gpu"`` (and the Triton
 kernels' as the baseline) with a line flushed after each, and every
@@ -22,10 +22,9 @@ run cut short still shows the phase and the frame it was in.
 per Mosaic GPU kernel, the seconds its lowering took and the size of the
 module its custom call carries (the ops the Mosaic GPU pipeline, LLVM and
 ptxas compile at XLA compile time: ``scf.for`` counts the loops left
-rolled), and the StableHLO ops outside the kernels (what XLA compiles). On
-2026-11-26 the backward compiled in 11-14 s on an H200: its kernel was 1.9K
-ops, but the sum of 512 CTA partials outside it was a chain of 1022 adds
-and 1024 slices (3096 ops; a pairwise tree since, 84).
+rolled), and the StableHLO ops outside the kernels (what XLA compiles): a
+chain of adds summing the CTA partials there once made the backward's compile
+take seconds (BENCHMARKS.md#gpu-mosaic-gpu-against-triton).
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from jax_normgrad import _bench
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_lib  # noqa: E402  (the sibling module: the one way to change a tuning)
+_JAX_VERSION = tuple(int(v) for v in jax.__version__.split(".")[:2])
 
 
 def _phases(name: str, fn, args, calls: int, moved: int) -> None:
@@ -103,16 +103,20 @@ def probe(rows: int, hidden: int, dtype, impl: str, calls: int, stages: int | No
 def _captured_kernels():
   """Wraps JAX's Mosaic GPU lowering to record ``(name, seconds, module)`` per kernel.
 
-  JAX internals, a probe's only way in: the kernel body's lowering
-  (``lower_pipelined_jaxpr_to_module``) is timed, and the module is taken
-  where the ``mosaic_gpu`` custom call serializes it
+  JAX internals, a probe's only way in: the kernel body's lowering is timed,
+  and the module is taken where the ``mosaic_gpu`` custom call serializes it
   (``_mosaic_gpu_lowering_rule``). Both are looked up as module attributes
   at each call, so wrapping them there is enough; they are restored on exit.
+  The body's lowering differs by version: before jax 0.12 ``plgpu.kernel``
+  lowers as a ``pallas_call`` (``lower_pipelined_jaxpr_to_module``), from
+  0.12 through ``mpmd_map`` (``lower_unpipelined_jaxpr_to_module``).
   """
   from jax._src.pallas.mosaic_gpu import lowering  # pylint: disable=g-import-not-at-top
   from jax.experimental.mosaic.gpu import core  # pylint: disable=g-import-not-at-top
   kernels, pending = [], []
-  lower, rule = lowering.lower_pipelined_jaxpr_to_module, core._mosaic_gpu_lowering_rule
+  body = ("lower_unpipelined_jaxpr_to_module" if _JAX_VERSION >= (0, 12)
+          else "lower_pipelined_jaxpr_to_module")
+  lower, rule = getattr(lowering, body), core._mosaic_gpu_lowering_rule
 
   def timed_lower(*args, **kwargs):
     t0 = time.perf_counter()
@@ -125,11 +129,13 @@ def _captured_kernels():
     kernels.append((name, pending.pop() if pending else float("nan"), module))
     return rule(ctx, *args, module=module, **kwargs)
 
-  lowering.lower_pipelined_jaxpr_to_module, core._mosaic_gpu_lowering_rule = timed_lower, capture
+  setattr(lowering, body, timed_lower)
+  core._mosaic_gpu_lowering_rule = capture
   try:
     yield kernels
   finally:
-    lowering.lower_pipelined_jaxpr_to_module, core._mosaic_gpu_lowering_rule = lower, rule
+    setattr(lowering, body, lower)
+    core._mosaic_gpu_lowering_rule = rule
 
 
 def _module_size(module) -> tuple[int, collections.Counter, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 
@@ -78,7 +79,7 @@ EXPORT_SKIP = ("jax >= 0.11 lowers Pallas Triton only for a GPU or an abstract d
                "shard_map refuses an abstract context mesh")
 
 
-def export_for(platform, f, args, *, mesh=None, device_kind=None, **kwargs):
+def export_for(platform, f, args, *, mesh=None, device_kind=None, no_device=False, **kwargs):
   """``jax.export.export(f, platforms=[platform], **kwargs)(*args)`` on a machine with no accelerator.
 
   From jax 0.11 the Pallas Triton lowering asks which GPU it compiles for
@@ -91,10 +92,12 @@ def export_for(platform, f, args, *, mesh=None, device_kind=None, **kwargs):
   devices during lowering. ``mesh``: the ``shard_map`` mesh of ``f`` if any;
   shard_map refuses an abstract context mesh, so that export is skipped where
   the abstract device is needed. ``device_kind``: the abstract device's kind,
-  named with any jax (default: "NVIDIA H100", where needed).
+  named with any jax (default: "NVIDIA H100", where needed). ``no_device``: no
+  abstract device with any jax (what a lowering does with none).
   """
   exported = jax.export.export(f, platforms=[platform], **kwargs)
-  if device_kind is None and (platform != "cuda" or not TRITON_LOWERING_NEEDS_GPU_KIND):
+  if no_device or (device_kind is None and (platform != "cuda"
+                                            or not TRITON_LOWERING_NEEDS_GPU_KIND)):
     return exported(*args)
   if mesh is not None:
     # shard_map requires the context mesh to be its own, concrete one.
@@ -131,11 +134,14 @@ def needs_mosaic_gpu(obj):
 
 
 def child_env(**extra) -> dict:
-  """The environment for a test's child ``python -m pytest``: this one, plus ``extra``, less
-  ``PYTEST_ADDOPTS``. CI sets ``PYTEST_ADDOPTS="-n auto"`` (pytest-xdist) for the suite; the
-  child runs whole inside one worker, serially, and its own plugins (the third-party suites'
-  patch counter) see every test in one process."""
+  """The environment for a test's child ``python -m pytest``: this one, plus ``extra``, with
+  ``PYTEST_ADDOPTS="--numprocesses=0"`` (none without pytest-xdist). The suite runs on every
+  core (pyproject.toml's ``addopts``: pytest-xdist); the child runs whole inside one worker,
+  serially, and its own plugins (the third-party suites' patch counter) see every test in one
+  process."""
   env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+  if importlib.util.find_spec("xdist") is not None:
+    env["PYTEST_ADDOPTS"] = "--numprocesses=0"
   env.update(extra)
   return env
 

@@ -104,6 +104,15 @@ def _extension():
   return _jax_normgrad
 
 
+def pytest_addoption(parser, pluginmanager):
+  """pyproject.toml's ``addopts`` (xdist's ``--numprocesses``, ``--dist``) accepted where xdist
+  is not loaded (``-p no:xdist``, or not installed): the run is then serial."""
+  if not pluginmanager.has_plugin("xdist"):
+    group = parser.getgroup("xdist (not loaded: these options are ignored)")
+    group.addoption("--numprocesses", default=None)
+    group.addoption("--dist", default="no")
+
+
 def pytest_report_header(config):
   ext = _extension()
   if ext is None:

@@ -1,4 +1,4 @@
-"""Float64 NumPy reference written from SPEC.md's math: the oracle of every kernel test."""
+"""Float64 NumPy reference written from docs/spec.md#math: the oracle of every kernel test."""
 
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ def dx_scale(dy, rstd, weight=None):
 # The vendors' other forms of the LayerNorm backward, and RMSNorm.
 
 
-def ln_grad_seed(dy, x, variance, mean, gamma, eps):
-  """AscendC LayerNormGrad, the seed's step-by-step formula (pd_var, pd_mean), over the last axis.
+def ln_grad_ascendc(dy, x, variance, mean, gamma, eps):
+  """AscendC LayerNormGrad as AscendC writes it, step by step (pd_var, pd_mean; docs/spec.md#layer_norm_grad-layer_norm_grad_beta), over the last axis.
 
   Returns (pd_x, res_for_gamma). ``variance``/``mean`` have one entry per row.
   """
@@ -123,7 +123,7 @@ def ln_grad_seed(dy, x, variance, mean, gamma, eps):
   return pd_x, res_for_gamma
 
 
-def ln_grad_beta_seed(dy, res_for_gamma, norm_ndim):
+def ln_grad_beta_ascendc(dy, res_for_gamma, norm_ndim):
   """AscendC LayerNormGradBeta: (sum dy * res_for_gamma, sum dy) over the leading dims."""
   dy, res = f64(dy), f64(res_for_gamma)
   lead_axes = tuple(range(dy.ndim - norm_ndim))

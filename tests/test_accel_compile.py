@@ -136,7 +136,7 @@ def test_tpu_sharded_jit_compiles_on_the_reference_with_a_warning():
 
 @needs_tools
 def test_tpu_explicitly_sharded_model_step_runs_the_kernels_in_every_norm():
-  """tests/norm_model's training step (LayerNorm, add_layer_norm, add_rms_norm, RMSNorm,
+  """tests/norm_model.py's training step (LayerNorm, add_layer_norm, add_rms_norm, RMSNorm,
   GroupNorm NHWC and NCHW) jitted with Explicit mesh axes over a v5e 2x2 topology: every norm
   is a Mosaic kernel each way on each chip's local shapes (256 of the 1024 token rows, 2 of
   the 8 images), no fallback (a FallbackWarning fails), no all-gather; the parameter

@@ -1,8 +1,9 @@
 """Every GPU jax runs: where Pallas Triton does not lower for the device, the package still runs.
 
 From jax 0.11 Pallas Triton lowers only for the GPU kinds jax lists
-(``jax.experimental.pallas.triton.get_gpu_info``); any other kind (an RTX
-4080 laptop GPU) raises "No supported GPU devices found" at ``jit`` time.
+(``jax.experimental.pallas.triton.get_gpu_info``) and attached "NVIDIA ..."
+GPUs; any other kind (an attached "Tesla V100", an unlisted kind named by an
+abstract device) raises "No supported GPU devices found" at ``jit`` time.
 The package asks the same question first (``pallas.gpu_target``): it
 registers the device's compute capability with Pallas Triton where it can,
 else runs the Mosaic GPU kernels (sm_90+) or the pure-JAX reference, with a
@@ -11,13 +12,22 @@ else runs the Mosaic GPU kernels (sm_90+) or the pure-JAX reference, with a
 No GPU is needed: the lowering is exported for ``cuda`` with the device named
 by an abstract mesh (``AbstractDevice`` of an unlisted kind) or by a fake
 attached device (``gpu_target._default_device`` patched: a CPU machine has no
-device with a compute capability). jax 0.10.2 (this venv) has no GPU list: its
-Triton lowering accepts every device, so the refusal cannot happen for real
-here. The ``jax011`` fixture stands a fake of jax 0.11's check in for it
-(``_compat.triton_gpu_info``, and its registry ``_compat.register_triton_gpu``):
-the patched functions are the two that read jax's list, and all the rest (which
-device is targeted, the choice, the warning, the lowering) runs for real.
-``test_this_jax`` checks the unpatched functions against the installed jax.
+device with a compute capability), which the abstract mesh then mirrors (its
+kind the attached device's, as jax reads it: not an ahead-of-time target).
+
+The ``triton_list`` fixture is jax's list of GPUs. From jax 0.11 it is jax's
+own: ``get_gpu_info`` and its registry (``_compat.register_triton_gpu``,
+spied on; the registry a copy for the test). jax 0.11.2 and 0.12 also lower
+for an *attached* GPU named "NVIDIA ..." that they do not list (they read the
+device's compute capability), but their check sees the machine's real
+devices, not the fake attached one, so here it refuses every unlisted kind;
+a kind not named "NVIDIA ..." (a "Tesla V100") goes through the registry.
+jax before 0.11 has no list (its Triton lowering accepts every device): there
+the fixture stands a fake of jax 0.11's check in for it (``_compat.triton_gpu_info``
+and ``_compat.register_triton_gpu`` patched, the two functions that read jax's
+list). Either way all the rest (which device is targeted, the choice, the
+warning, the lowering) runs for real. ``test_this_jax`` checks the unpatched
+functions against the installed jax.
 """
 
 from __future__ import annotations
@@ -39,16 +49,18 @@ F32 = jnp.float32
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC_GPU = "mosaic_gpu_v2"
 UNLISTED = "NVIDIA GeForce RTX 4080 Laptop GPU"
+#: An unlisted kind that jax's registry serves (jax 0.11.2 and 0.12 read an "NVIDIA ..." kind's
+#: compute capability from the attached device, never from their registry).
+REGISTRABLE = "Tesla V100-SXM2-16GB"
 #: A part of jax 0.11's list (GpuVersion), matched at the start of the kind as jax does.
 LISTED = ("NVIDIA A100", "NVIDIA H100", "NVIDIA GeForce RTX 4090")
 
 
 class _Jax011:
-  """jax 0.11's Triton GPU list: ``get_gpu_info`` raises ValueError for a kind neither listed nor
-  registered."""
+  """jax 0.11's Triton GPU list, for a jax without one: ``get_gpu_info`` raises ValueError for a
+  kind neither listed nor registered."""
 
-  def __init__(self, can_register: bool):
-    self.can_register = can_register
+  def __init__(self):
     self.registry: dict[str, str] = {}
 
   def get_gpu_info(self):
@@ -58,32 +70,60 @@ class _Jax011:
     raise ValueError(f"Unsupported GPU device kind: {kind}")
 
   def register(self, kind: str, compute_capability: str) -> bool:
-    if self.can_register:
+    self.registry.setdefault(kind, compute_capability)
+    return True
+
+
+class _TritonList:
+  """The list the lowering consults: ``registry`` holds the kinds the package registered in the
+  test (kind -> compute capability); ``can_register`` False: this jax offers no way to register
+  (as a jax 0.11 without the registry would)."""
+
+  def __init__(self, register):
+    self.can_register = True
+    self.registry: dict[str, str] = {}
+    self._register = register
+
+  def register(self, kind: str, compute_capability: str) -> bool:
+    if not self.can_register:
+      return False
+    done = self._register(kind, compute_capability)
+    if done:
       self.registry.setdefault(kind, compute_capability)
-    return self.can_register
+    return done
 
 
 @pytest.fixture
-def jax011(monkeypatch, settings_env):
-  """This jax refusing unlisted GPUs as jax 0.11 does; ``.can_register`` as in 0.11.0-0.11.2."""
-  fake = _Jax011(can_register=True)
-  monkeypatch.setattr(_compat, "triton_gpu_info", lambda: fake.get_gpu_info)
-  monkeypatch.setattr(_compat, "register_triton_gpu", fake.register)
+def triton_list(monkeypatch, settings_env):
+  """jax's Triton GPU list: jax's own from 0.11, else a fake of jax 0.11's (see the module doc)."""
+  if TRITON_LOWERING_NEEDS_GPU_KIND:
+    # The registry a copy, restored after the test: jax's module global, read at each lookup
+    # (a private path, as _compat.register_triton_gpu's).
+    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(gpu_info, "registry", dict(gpu_info.registry))
+    listing = _TritonList(_compat.register_triton_gpu)
+  else:
+    fake = _Jax011()
+    monkeypatch.setattr(_compat, "triton_gpu_info", lambda: fake.get_gpu_info)
+    listing = _TritonList(fake.register)
+  monkeypatch.setattr(_compat, "register_triton_gpu", listing.register)
   # jax caches lowerings by program and abstract mesh; the fakes change what
   # a lowering of the same program does (the settings' reset clears jax's caches).
   settings_env(_settings.GPU_BACKEND_ENV, None)
   _fallback.warn_once.cache_clear()
-  fake.settings_env = settings_env
-  yield fake
+  listing.settings_env = settings_env
+  yield listing
   jax.clear_caches()
   _fallback.warn_once.cache_clear()
 
 
 def _attached(monkeypatch, compute_capability, kind=UNLISTED):
-  """A GPU attached as the default device, as the lowering's device lookup sees it."""
+  """A GPU attached as the default device, as the lowering's device lookup sees it; returns its
+  kind, for the abstract mesh of the export to mirror (``_export``'s ``device_kind``)."""
   device = types.SimpleNamespace(device_kind=kind, platform="gpu",
                                  compute_capability=compute_capability)
   monkeypatch.setattr(gpu_target, "_default_device", lambda: device)
+  return kind
 
 
 def _sds(shape, dtype=F32):
@@ -108,14 +148,16 @@ PROGRAMS = {
 }
 
 
-def _export(f, args, device_kind=None, *, expect_warning=None, expect_one=None):
+def _export(f, args, device_kind=None, *, expect_warning=None, expect_one=None,
+            no_device=False):
   """The exported StableHLO text; a ``FallbackWarning`` fails unless ``expect_warning`` matches it.
 
-  ``expect_one``: a pattern that at least one of the warnings must match.
+  ``device_kind``: the abstract device's (``cases.export_for``); ``no_device``: none, whatever
+  the jax. ``expect_one``: a pattern that at least one of the warnings must match.
   """
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    text = export_for("cuda", jax.jit(f), args, device_kind=device_kind,
+    text = export_for("cuda", jax.jit(f), args, device_kind=device_kind, no_device=no_device,
                       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
                       ).mlir_module()
   fallbacks = [str(w.message) for w in caught if issubclass(w.category, jn.FallbackWarning)]
@@ -132,24 +174,24 @@ def _assert_reference(text):
   assert TRITON not in text and MOSAIC_GPU not in text and "jax_normgrad_norm" not in text
 
 
-def test_listed_gpu_runs_triton(jax011):
+def test_listed_gpu_runs_triton(triton_list):
   f, args = PROGRAMS["layer_norm"]
   assert TRITON in _export(f, args, "NVIDIA H100 80GB HBM3")
-  assert not jax011.registry
+  assert not triton_list.registry
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
-def test_unlisted_abstract_gpu_runs_the_reference(jax011, program):
+def test_unlisted_abstract_gpu_runs_the_reference(triton_list, program):
   # An abstract device has no compute capability to register: the reference
   # runs, and the warning names the device and why.
   f, args = PROGRAMS[program]
   text = _export(f, args, UNLISTED, expect_warning=re.escape(repr(UNLISTED)) + ".*no compute "
                  "capability to register.*pure-JAX reference \\('xla'\\) runs it instead")
   _assert_reference(text)
-  assert not jax011.registry
+  assert not triton_list.registry
 
 
-def test_the_warning_comes_once_per_op(jax011):
+def test_the_warning_comes_once_per_op(triton_list):
   f, args = PROGRAMS["layer_norm"]
   with pytest.warns(jn.FallbackWarning) as record:
     for _ in range(2):
@@ -159,7 +201,7 @@ def test_the_warning_comes_once_per_op(jax011):
   assert sorted(ops) == ["jax_normgrad_layer_norm_bwd", "jax_normgrad_layer_norm_fwd"]
 
 
-def test_forced_backends_on_an_unlisted_gpu(jax011):
+def test_forced_backends_on_an_unlisted_gpu(triton_list):
   # implementation="triton" cannot run there: it raises, naming the device;
   # "xla" is silent (no warning).
   ln = lambda x, w, b, impl: jn.layer_norm(x, w, b, implementation=impl)
@@ -169,60 +211,61 @@ def test_forced_backends_on_an_unlisted_gpu(jax011):
 
 
 @needs_mosaic_gpu
-def test_forced_mosaic_gpu_on_an_unlisted_gpu(jax011):
+def test_forced_mosaic_gpu_on_an_unlisted_gpu(triton_list):
   ln = _grad_of(lambda x, w, b: jn.layer_norm(x, w, b, implementation="mosaic_gpu"))
   text = _export(ln, LN_ARGS, UNLISTED)
   assert MOSAIC_GPU in text and TRITON not in text
 
 
-def test_attached_gpu_is_registered_with_triton(jax011, monkeypatch):
-  # jax 0.11.0-0.11.2: the device's compute capability is told to Pallas
-  # Triton, whose kernels then run as on a listed GPU, unannounced.
-  _attached(monkeypatch, "8.9")
+def test_attached_gpu_is_registered_with_triton(triton_list, monkeypatch):
+  # The device's compute capability is told to Pallas Triton, whose kernels
+  # then run as on a listed GPU, unannounced.
+  kind = _attached(monkeypatch, "7.0", kind=REGISTRABLE)
   f, args = PROGRAMS["layer_norm"]
-  assert TRITON in _export(f, args)
-  assert jax011.registry == {UNLISTED: "8.9"}
+  assert TRITON in _export(f, args, kind)
+  assert triton_list.registry == {REGISTRABLE: "7.0"}
 
 
-def test_attached_gpu_that_cannot_be_registered_runs_the_reference(jax011, monkeypatch):
-  jax011.can_register = False
-  _attached(monkeypatch, "8.9")
+def test_attached_gpu_that_cannot_be_registered_runs_the_reference(triton_list, monkeypatch):
+  triton_list.can_register = False
+  kind = _attached(monkeypatch, "8.9")
   f, args = PROGRAMS["group_norm"]
-  _assert_reference(_export(f, args, expect_warning="no way to register its compute capability"
-                            ".*Mosaic GPU kernels cannot run it: they need sm_90\\+ \\(the device is "
-                            "sm_89\\)"))
+  _assert_reference(_export(f, args, kind, expect_warning="no way to register its compute "
+                            "capability.*Mosaic GPU kernels cannot run it: they need sm_90\\+ \\(the "
+                            "device is sm_89\\)"))
   with pytest.raises(ValueError, match="implementation='triton' cannot run on cuda"):
-    _export(lambda x, w, b: jn.layer_norm(x, w, b, implementation="triton"), LN_ARGS)
+    _export(lambda x, w, b: jn.layer_norm(x, w, b, implementation="triton"), LN_ARGS, kind)
 
 
 @needs_mosaic_gpu
-def test_attached_sm90_gpu_that_cannot_be_registered_runs_mosaic_gpu(jax011, monkeypatch):
+def test_attached_sm90_gpu_that_cannot_be_registered_runs_mosaic_gpu(triton_list, monkeypatch):
   # sm_90+: the Mosaic GPU kernels stand in for Triton; what they cannot run
   # (channels-last GroupNorm rows of 70,000 channels) the reference runs, not Triton.
-  jax011.can_register = False
-  _attached(monkeypatch, "9.0", kind="NVIDIA H20")
+  triton_list.can_register = False
+  kind = _attached(monkeypatch, "9.0", kind="NVIDIA H20")
   f, args = PROGRAMS["layer_norm"]
-  text = _export(f, args, expect_warning="'NVIDIA H20'.*Mosaic GPU kernels run it instead")
+  text = _export(f, args, kind, expect_warning="'NVIDIA H20'.*Mosaic GPU kernels run it instead")
   assert MOSAIC_GPU in text and TRITON not in text
   c = 70_000
   gn = _grad_of(lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1))
-  text = _export(gn, (_sds((2, 2, 2, c)), _sds((c,)), _sds((c,))),
+  text = _export(gn, (_sds((2, 2, 2, c)), _sds((c,)), _sds((c,))), kind,
                  expect_warning="'NVIDIA H20'",
                  expect_one="'NVIDIA H20'.*Mosaic GPU kernels cannot run it: .*the C of "
                             "GroupNorm.*pure-JAX reference \\('xla'\\) runs it instead")
   _assert_reference(text)
   # JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu takes the same path: no Triton either.
-  jax011.settings_env(_settings.GPU_BACKEND_ENV, "mosaic_gpu")
+  triton_list.settings_env(_settings.GPU_BACKEND_ENV, "mosaic_gpu")
   _fallback.warn_once.cache_clear()
-  _assert_reference(_export(gn, (_sds((2, 2, 2, c)), _sds((c,)), _sds((c,))),
+  _assert_reference(_export(gn, (_sds((2, 2, 2, c)), _sds((c,)), _sds((c,))), kind,
                             expect_warning="'NVIDIA H20'", expect_one="the C of GroupNorm"))
 
 
-def test_no_gpu_attached_runs_the_reference(jax011):
+def test_no_gpu_attached_runs_the_reference(triton_list):
   # Exported for CUDA on a CPU machine with no abstract device: jax 0.11's
   # Triton lowering has no GPU to compile for.
   f, args = PROGRAMS["rms_norm"]
-  text = _export(jax.jit(f), args, expect_warning="'cpu' \\(cpu device\\); with no GPU attached")
+  text = _export(jax.jit(f), args, no_device=True,
+                 expect_warning="'cpu' \\(cpu device\\); with no GPU attached")
   _assert_reference(text)
 
 

@@ -1,4 +1,4 @@
-"""The vendor forms of the LayerNorm backward (AscendC pair, InfiniOp) against the seeds' float64 formulas."""
+"""The vendor forms of the LayerNorm backward (AscendC pair, InfiniOp) against their float64 formulas (docs/spec.md#the-vendors-other-forms)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import reference_np as ref
 from tolerances import assert_close
 
 EPS = 1e-5
-# (x shape, statistics with a trailing 1, weight kind): the seed's [B, S, H]
+# (x shape, statistics with a trailing 1, weight kind): AscendC's [B, S, H]
 # example, other leading dims, a long row, rows of one element, no rows. The
 # weight is absent ("none"), in the inputs' dtype ("same") or float32 with any
 # inputs ("float32"; InfiniOp's mixed precision; gamma stays in the inputs'
@@ -33,9 +33,9 @@ GRAD_CASES = [
 def _exact_mean_rows(rng, shape):
   """Rows ``c + (v, -v, [0])`` in random order: every value and the row mean ``c`` exact in bfloat16.
 
-  With the row mean exact in the inputs' dtype the seed's step-by-step
+  With the row mean exact in the inputs' dtype AscendC's step-by-step
   formula equals the compact one (its ``sum(x - mean)`` term is 0), so the
-  kernel can be held to the dtype's tolerance against the seed's formula.
+  kernel can be held to the dtype's tolerance against AscendC's formula.
   """
   h = shape[-1]
   rows = math.prod(shape[:-1])
@@ -47,7 +47,7 @@ def _exact_mean_rows(rng, shape):
 
 
 def _grad_inputs(rng, shape, dtype, keepdim, exact_mean=True):
-  """dy, x and the per-row variance/mean in x's dtype (all inputs share one dtype, as in the seed)."""
+  """dy, x and the per-row variance/mean in x's dtype (all inputs share one dtype, as AscendC's)."""
   if exact_mean:
     x = jnp.asarray(_exact_mean_rows(rng, shape).astype(np.float32)).astype(dtype)
   else:
@@ -76,7 +76,7 @@ class LayerNormGradTests:
     gamma = random(rng, shape[-1:], dtype, offset=1.0) if weight_kind != "none" else None
     pd_x, res = jn.layer_norm_grad(dy, x, variance, mean, gamma, EPS,
                                    implementation=self.implementation)
-    pd_x_ref, res_ref = ref.ln_grad_seed(dy, x, variance, mean, gamma, EPS)
+    pd_x_ref, res_ref = ref.ln_grad_ascendc(dy, x, variance, mean, gamma, EPS)
     assert pd_x.dtype == res.dtype == dtype
     assert pd_x.shape == res.shape == shape
     h = shape[-1]
@@ -85,7 +85,7 @@ class LayerNormGradTests:
 
   @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
   def test_layer_norm_grad_rounded_mean(self, rng, dtype):
-    """A mean rounded to 16 bits: the compact formula differs from the seed's by its sum(x - mean) term.
+    """A mean rounded to 16 bits: the compact formula differs from AscendC's by its sum(x - mean) term.
 
     That term is ``rstd * mean(g * xhat) * mean(xhat)`` (``mean(xhat)`` is the
     mean's rounding error in units of std); beyond it, the dtype's tolerance.
@@ -95,12 +95,12 @@ class LayerNormGradTests:
     gamma = random(rng, (16,), dtype, offset=1.0)
     pd_x, _ = jn.layer_norm_grad(dy, x, variance, mean, gamma, EPS,
                                  implementation=self.implementation)
-    pd_x_ref, res_ref = ref.ln_grad_seed(dy, x, variance, mean, gamma, EPS)
+    pd_x_ref, res_ref = ref.ln_grad_ascendc(dy, x, variance, mean, gamma, EPS)
     g = np.asarray(dy.astype(jnp.float32), np.float64) * np.asarray(gamma.astype(jnp.float32))
     rstd = 1 / _std_of(variance)[..., None]
-    seed_only = rstd * (g * res_ref).mean(-1, keepdims=True) * res_ref.mean(-1, keepdims=True)
-    assert np.max(np.abs(seed_only)) > 0  # The case is not vacuous.
-    assert_close(pd_x, pd_x_ref - seed_only, dtype, 16, "pd_x", scale=ref.dx_scale(dy, rstd, gamma))
+    ascendc_only = rstd * (g * res_ref).mean(-1, keepdims=True) * res_ref.mean(-1, keepdims=True)
+    assert np.max(np.abs(ascendc_only)) > 0  # The case is not vacuous.
+    assert_close(pd_x, pd_x_ref - ascendc_only, dtype, 16, "pd_x", scale=ref.dx_scale(dy, rstd, gamma))
 
   @pytest.mark.parametrize("dtype", DTYPES)
   @pytest.mark.parametrize("shape,norm_shape", [((2, 32, 16), None), ((4, 6, 10), (6, 10)),
@@ -111,7 +111,7 @@ class LayerNormGradTests:
     pd_gamma, pd_beta = jn.layer_norm_grad_beta(dy, res, norm_shape,
                                                 implementation=self.implementation)
     ndim = 1 if norm_shape is None or isinstance(norm_shape, int) else len(norm_shape)
-    g_ref, b_ref = ref.ln_grad_beta_seed(dy, res, ndim)
+    g_ref, b_ref = ref.ln_grad_beta_ascendc(dy, res, ndim)
     assert pd_gamma.dtype == pd_beta.dtype == jnp.float32
     assert pd_gamma.shape == pd_beta.shape == shape[len(shape) - ndim:]
     rows = math.prod(shape[:len(shape) - ndim])

@@ -1,4 +1,8 @@
-"""Bad input: every rule of SPEC.md's "Bad input" raises at trace time, naming the argument."""
+"""Bad input: every rule of docs/spec.md#bad-input raises at trace time, naming the argument.
+
+The aclnn error codes in the comments (PARAM_NULLPTR, PARAM_INVALID and their numbers) are
+aclnnLayerNormBackward's and aclnnGroupNormBackward's, which that section lists among its rules.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Bad input to the RMSNorm ops, the vendor-form LayerNorm backwards and the new layer options.
+"""Bad input to the RMSNorm ops, the vendor-form LayerNorm backwards and the layers' options.
 
 Checked at trace time with the argument named and the expected and actual
-values in the message: ValueError for shapes and values, TypeError for dtypes.
+values in the message: ValueError for shapes and values, TypeError for dtypes
+(docs/spec.md#bad-input).
 """
 
 from __future__ import annotations

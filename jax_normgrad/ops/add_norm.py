@@ -155,7 +155,8 @@ def add_layer_norm(x, residual, weight=None, bias=None, *, normalized_shape=None
     forward: None (the platform's default), ``"kernel"`` or ``"xla"`` (the
       jnp add and norm, fused by XLA with its neighbours; the backward is
       the kernel either way); see :func:`jax_normgrad.layer_norm`.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(y, h)``: ``y`` with x's shape and dtype, ``h`` in ``residual_dtype``.
@@ -181,7 +182,8 @@ def add_rms_norm(x, residual, weight=None, *, normalized_shape=None, eps=1e-6, r
     forward: None (the platform's default), ``"kernel"`` or ``"xla"`` (the
       jnp add and norm, fused by XLA with its neighbours; the backward is
       the kernel either way); see :func:`jax_normgrad.layer_norm`.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(y, h)``: ``y`` with x's shape and dtype, ``h`` in ``residual_dtype``.

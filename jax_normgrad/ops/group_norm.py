@@ -98,7 +98,8 @@ def group_norm_fwd(x, weight, bias, N, C, HxW, group, eps=1e-5, *, channels_last
     N, C, HxW, group: ints; ``group > 0`` divides ``C``; ``HxW > 0``.
     eps: float >= 0.
     channels_last: read x as ``(N, HxW, C)``.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(y, mean, rstd)``: ``y`` with x's shape and dtype; ``mean``, ``rstd``
@@ -141,7 +142,8 @@ def group_norm_backward(grad_out, x, mean, rstd, gamma, N, C, HxW, group,
     output_mask: three bools for (grad_input, grad_gamma, grad_beta); masked
       outputs are None and not computed.
     channels_last: read x and grad_out as ``(N, HxW, C)``.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(grad_input, grad_gamma, grad_beta)``: grad_input with x's shape and
@@ -241,7 +243,8 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5, channel_axis=
       jnp forward (and activation), which XLA fuses with the ops around it;
       the backward kernel still recomputes the pre-activation value. See
       :func:`jax_normgrad.layer_norm`.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``y`` with x's shape, in ``out_dtype`` (None: x's dtype).

@@ -147,7 +147,8 @@ def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, sca
     eps: float >= 0 added to the variance.
     scale_offset: static float added to ``weight`` in float32 (``1.0`` for
       Gemma-style zero-centered weights); must be 0 without a weight.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(y, mean, rstd)``: ``y`` with x's shape and dtype; ``mean``, ``rstd``
@@ -208,7 +209,8 @@ def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight=None, 
       compute. Masked outputs are returned as None and not computed.
     scale_offset: static float the forward added to ``weight`` (see
       :func:`layer_norm_fwd`); grad_weight does not depend on it.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(grad_input, grad_weight, grad_bias)``: grad_input with x's shape and
@@ -336,7 +338,8 @@ def layer_norm(x, weight=None, bias=None, *, normalized_shape=None, eps=1e-5, sc
       a residual add, the casts), keeping the same float32 statistics for
       the backward kernel. None: the platform's default
       (``jax_normgrad.LAYER_FORWARD_DEFAULT``; see docs/api.md).
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``y`` with x's shape, in ``out_dtype`` (None: x's dtype).

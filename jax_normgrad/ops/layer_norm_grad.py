@@ -28,7 +28,8 @@ def layer_norm_grad(dy, x, variance, mean, gamma, epsilon, *, implementation=Non
   """AscendC LayerNormGrad: grad_input from the variance, and xhat for LayerNormGradBeta.
 
   Over the last axis (``H`` elements per row), with ``rstd = (variance +
-  epsilon)^-0.5`` and ``pd_xl = dy * gamma``, the seed's step-by-step formula::
+  epsilon)^-0.5`` and ``pd_xl = dy * gamma``, AscendC's step-by-step formula
+  (docs/spec.md#layer_norm_grad-layer_norm_grad_beta)::
 
       pd_var  = sum(-0.5 * pd_xl * (x - mean) * rstd^3)
       pd_mean = sum(-pd_xl * rstd) + pd_var * (1/H) * sum(-2 * (x - mean))
@@ -38,18 +39,19 @@ def layer_norm_grad(dy, x, variance, mean, gamma, epsilon, *, implementation=Non
   computed in its compact form ``pd_x = rstd * (pd_xl - mean(pd_xl) - xhat *
   mean(pd_xl * xhat))`` on the LayerNorm backward kernel, accumulating in
   float32. The two are equal when ``mean`` is the rows' exact mean; a
-  ``mean`` rounded to 16 bits leaves ``sum(x - mean)`` non-zero, and the
-  seed's formula then adds ``rstd * mean(pd_xl * xhat) * mean(xhat)``, a
+  ``mean`` rounded to 16 bits leaves ``sum(x - mean)`` non-zero, and
+  AscendC's formula then adds ``rstd * mean(pd_xl * xhat) * mean(xhat)``, a
   term of the order of that rounding, which the compact form leaves out.
 
   Args:
-    dy: the cotangent of y, shape ``A + (H,)`` (``[B, S, H]`` in the seed; any
+    dy: the cotangent of y, shape ``A + (H,)`` (``[B, S, H]`` in AscendC's; any
       leading dims), float32, float16 or bfloat16.
     x: the forward input; dy's shape and dtype.
     variance, mean: per-row statistics, shape ``A`` or ``A + (1,)``, dy's dtype.
     gamma: the weight, shape ``(H,)``, dy's dtype; None means ones.
     epsilon: static float >= 0 added to ``variance``.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(pd_x, res_for_gamma)``, both with x's shape and dtype.
@@ -89,8 +91,9 @@ def layer_norm_grad_beta(dy, res_for_gamma, normalized_shape=None, *, implementa
     dy: the cotangent of y, float32, float16 or bfloat16, shape ``A + R``.
     res_for_gamma: xhat from :func:`layer_norm_grad`; dy's shape and dtype.
     normalized_shape: int or tuple ``R``, the trailing dims reduced into the
-      parameters' shape; None: the last dim (``[H]`` as in the seed).
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+      parameters' shape; None: the last dim (``[H]`` as in AscendC's).
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(pd_gamma, pd_beta)``: float32, shape ``normalized_shape``.
@@ -132,7 +135,8 @@ def layer_norm_backward_from_normalized(grad_output, weight, input_standardizati
     input_standardization: xhat, grad_output's shape and dtype.
     input_std_deviation: per-row std, shape ``A`` or ``A + (1,)``, the inputs'
       dtype or float32.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(grad_input, grad_weight, grad_bias)``: grad_input with the inputs' shape

@@ -26,7 +26,8 @@ def rms_norm_fwd(x, normalized_shape, weight=None, eps=1e-6, *, scale_offset=0.0
     eps: float >= 0 added to the mean square.
     scale_offset: static float added to ``weight`` in float32 (``1.0`` for
       Gemma-style zero-centered weights); must be 0 without a weight.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(y, rstd)``: ``y`` with x's shape and dtype; ``rstd`` float32 of shape
@@ -66,7 +67,8 @@ def rms_norm_backward(grad_out, x, normalized_shape, rstd, weight=None, output_m
       Masked outputs are returned as None and not computed.
     scale_offset: static float the forward added to ``weight``; grad_weight
       does not depend on it.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``(grad_input, grad_weight)``: grad_input with x's shape and dtype;
@@ -125,7 +127,8 @@ def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.
     forward: None (the platform's default), ``"kernel"`` or ``"xla"`` (the
       jnp forward, fused by XLA with its neighbours; the backward is the
       kernel either way); see :func:`jax_normgrad.layer_norm`.
-    implementation: None (the platform's kernel), "xla", "ffi" or "pallas".
+    implementation: None (the platform's first that can run it: docs/dispatch.md), "xla",
+      "ffi", "pallas", "triton", "mosaic_gpu" or "mosaic_tpu".
 
   Returns:
     ``y`` with x's shape, in ``out_dtype`` (None: x's dtype).

@@ -183,10 +183,9 @@ def fixed_order(parts, combine):
   bitwise reproducible (unlike a ``reduce``, whose order is the compiler's).
   The tree's HLO grows with log2 of the terms, not with their number: as a
   chain, the row backward's 500-odd CTA partials were 3K HLO ops (1022 adds,
-  1024 slices) around a kernel of 1.9K ops, and that backward compiled in
-  11-14 s on an H200 (jax 0.11.2), where the forward (a kernel of 1.5K ops,
-  no partials) compiled in 0.3 s (``benchmarks/gpu_mosaic_probe.py``); with
-  the tree, 0.52 s on an H100 (2026-11-27). A
+  1024 slices) around a kernel of 1.9K ops, and XLA took seconds to compile
+  them; the tree compiles in a fraction of one
+  (``benchmarks/gpu_mosaic_probe.py``; BENCHMARKS.md#gpu-mosaic-gpu-against-triton). A
   ``fori_loop`` instead is an XLA while loop: a kernel launch per term.
   """
   n = parts[0].shape[0]

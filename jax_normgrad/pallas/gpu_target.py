@@ -1,8 +1,10 @@
 """The GPU a lowering targets, and whether Pallas Triton and Mosaic GPU lower for it.
 
 From jax 0.11 Pallas Triton lowers only for the GPU kinds jax lists
-(``_compat.triton_gpu_info``); on any other (an RTX 4080 laptop GPU, say) a
-Triton kernel raises "No supported GPU devices found" at ``jit`` time. Before
+(``_compat.triton_gpu_info``) and (0.11.2, 0.12) for an attached GPU named
+"NVIDIA ..."; on any other (an attached "Tesla V100", an unlisted kind named
+by an abstract device) a Triton kernel raises "No supported GPU devices
+found" at ``jit`` time. Before
 a lowering picks the Triton kernels, ``triton_problem`` asks jax the same
 question its Triton lowering will ask; where the answer is no and the device's
 compute capability is known, it registers that with Pallas Triton (what jax

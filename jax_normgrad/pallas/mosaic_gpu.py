@@ -51,9 +51,11 @@ dh. A budget too small even for pieces of 256 (``unsupported``) leaves the
 problem to Triton, announced.
 
 GroupNorm, both layouts (``mosaic_gpu_group_norm``), is two passes over rows (per-channel sums,
-then the output), x read twice even where a segment would fit SMEM. NCHW rows
-(HW) longer than SMEM holds are cut in pieces too; channels-last rows (C) must
-fit SMEM whole (C beyond about 25K channels falls back to Triton).
+then the output), x read twice; an NCHW segment that SMEM holds with two
+stages and whose HW is a multiple of 128 is instead one row of the row
+kernels, read once, one kernel each way. NCHW rows (HW) longer than SMEM
+holds are cut in pieces too; channels-last rows (C) must fit SMEM whole (C
+beyond about 25K channels falls back to Triton).
 
 Not here yet:
 
@@ -66,8 +68,9 @@ Not here yet:
 Blackwell (sm_100) would change little for a memory-bound kernel: the same
 TMA and barriers apply; its larger L2 and TMA multicast over a CTA cluster
 could share the parameter rows between CTAs, and TMEM is of no use without
-matrix multiplies. On an H100 (jax 0.11.2) these kernels passed the op suites' default
-classes; they have not been timed there yet (see docs/api.md).
+matrix multiplies. These kernels pass the op suites on an H100; they run slower than the
+Triton ones, which stay the GPU default (docs/api.md#the-two-pallas-gpu-backends; their
+timings: BENCHMARKS.md#gpu-mosaic-gpu-against-triton).
 
 The modules, each importing only those below it:
 
