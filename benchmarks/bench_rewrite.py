@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_lib  # noqa: E402  (the benchmarks' shared helpers)
 import bench_models as bm  # noqa: E402  (the models and the timing conventions)
 from bench_cpu import cpu_model  # noqa: E402
 
@@ -85,7 +86,7 @@ def measure(model: str, size: str, iters: int, rounds: int, settle_s: float) -> 
   for v in VARIANTS:
     loss, p, x, t = setup(model, v, size)
     step = step_of(loss)
-    steps[v] = (step, (p, x, t), bm.custom_calls(step.lower(p, x, t).as_text()))
+    steps[v] = (step, (p, x, t), bench_lib.custom_calls(step.lower(p, x, t).as_text()))
   samples = {v: [] for v in steps}
   per_round = max(1, -(-iters // rounds))
   for rnd in range(rounds):
