@@ -144,10 +144,8 @@ MOSAIC_GPU = _MosaicGpu("mosaic_gpu", "the Mosaic GPU kernels", ("cuda",), inter
 MOSAIC_TPU = _MosaicTpu("mosaic_tpu", "the TPU kernels", ("tpu",), interpreted=True)
 XLA = Implementation("xla", "the pure-JAX reference ('xla')", PLATFORMS)
 
-#: Every implementation by name.
+#: Every implementation by name (those of ``kernels.BACKENDS`` run Pallas kernels).
 IMPLEMENTATIONS = {i.name: i for i in (FFI, TRITON, MOSAIC_GPU, MOSAIC_TPU, XLA)}
-#: The names that run Pallas kernels.
-PALLAS = ("triton", "mosaic_gpu", "mosaic_tpu")
 
 
 def preferences(platform: str, implementation: str | None,
@@ -240,7 +238,7 @@ class Lowerings:
 
   ``xla``: the pure-JAX reference; ``ffi``: the C++ custom call (CPU);
   ``pallas``: the Pallas lowering, which also takes ``interpret`` and
-  ``backend`` (a name of ``PALLAS``); ``problem``: the kernels' problem
+  ``backend`` (a name of ``kernels.BACKENDS``); ``problem``: the kernels' problem
   (``kernels.Problem``) from the operands' shapes and dtypes and the parameters.
   """
 
