@@ -1,9 +1,9 @@
 """What the Pallas kernels share: the segment description and the per-tile math.
 
 LayerNorm, RMSNorm and GroupNorm in both layouts are one problem to the
-kernels: ``x`` viewed as ``(n, a, b)`` is cut into ``n * groups`` segments,
-each normalized on its own, and the parameters are indexed by the channel
-axis (``a`` or ``b``). See :class:`Segments`.
+kernels: ``x`` viewed as ``(n, major, minor)`` is cut into ``n * groups``
+segments, each normalized on its own, and the parameters are indexed by the
+channel axis (``major`` or ``minor``). See :class:`Segments`.
 
 The bottom of ``pallas/``: the kernel modules (``gpu``, ``mosaic_gpu`` and
 its ``mosaic_gpu_*``, ``tpu``) stand on it, and ``kernels`` on them; it
@@ -26,7 +26,8 @@ F32 = jnp.float32
 class Segments:
   """Static description of one normalization problem.
 
-  ``x`` is viewed as ``(n, a, b)``:
+  ``x`` is viewed as ``(n, major, minor)``: ``n`` samples, each a plane of
+  ``major`` by ``minor`` elements, ``minor`` the contiguous axis:
 
   * ``"rows"`` (LayerNorm / RMSNorm): ``(M, 1, H)``, a segment per row; the
     parameters are indexed by the H axis.
@@ -40,13 +41,13 @@ class Segments:
 
   ``activation`` (GroupNorm only; ``jax_normgrad._activations``): y is
   ``act(xhat * weight + bias)``, and the backward's dy is the cotangent of
-  that y (its kernels take beta too, to recompute the pre-activation value).
+  that y (its kernels take the bias too, to recompute the pre-activation value).
   """
 
   kind: str
   n: int
-  a: int
-  b: int
+  major: int
+  minor: int
   groups: int
   param_groups: int
   centered: bool = True
@@ -58,7 +59,7 @@ class Segments:
 
   @property
   def channels(self) -> int:
-    return self.a if self.chan_axis == 1 else self.b
+    return self.major if self.chan_axis == 1 else self.minor
 
   @property
   def cg(self) -> int:
@@ -67,8 +68,8 @@ class Segments:
 
   @property
   def shape(self) -> tuple[int, int]:
-    """The shape of one segment in the ``(a, b)`` plane."""
-    return (self.cg, self.b) if self.chan_axis == 1 else (self.a, self.cg)
+    """The shape of one segment in the ``(major, minor)`` plane."""
+    return (self.cg, self.minor) if self.chan_axis == 1 else (self.major, self.cg)
 
   @property
   def count(self) -> int:

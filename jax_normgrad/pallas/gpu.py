@@ -464,7 +464,7 @@ def _nhwc_plan(seg: common.Segments, itemsize: int, *, backward: bool):
   """The sample-wide plan (``config.gpu_nhwc_plan``) of a channels-last GroupNorm, else None."""
   if seg.kind != "channels_last":
     return None
-  return config.gpu_nhwc_plan(seg.a, seg.channels, seg.cg, itemsize, backward=backward)
+  return config.gpu_nhwc_plan(seg.major, seg.channels, seg.cg, itemsize, backward=backward)
 
 
 class _NhwcLaunch:
@@ -516,7 +516,7 @@ class _NhwcLaunch:
   def part_count(self, part):
     """Elements of each group in part ``part`` (pixels of its tiles times ``cg``), float32."""
     first = part * self.chunks_per_part * self.plan.rows
-    last = jnp.minimum(first + self.chunks_per_part * self.plan.rows, self.seg.a)
+    last = jnp.minimum(first + self.chunks_per_part * self.plan.rows, self.seg.major)
     return ((last - first) * self.plan.cg).astype(F32)
 
   def columns(self):
@@ -528,7 +528,7 @@ class _NhwcLaunch:
     """Ref indices (pixels, channels) and mask of tile k of a sample."""
     rows = _span(k * self.plan.rows, self.plan.rows)[:, None]
     cols, ok = self.columns()
-    return (rows, cols[None, :]), (rows < self.seg.a) & ok[None, :]
+    return (rows, cols[None, :]), (rows < self.seg.major) & ok[None, :]
 
   def group_sum(self, tile):
     """``(rows, cols)`` -> ``(groups,)``: each group's sum over its pixels and channels."""

@@ -181,7 +181,7 @@ def _backends():
 
 def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dtype=None,
             backend: str = "triton", residual=None, h_dtype=None):
-  """``(y, mean | None, rstd)``: ``y`` like x ``(n, a, b)``, statistics ``(n, groups)`` float32.
+  """``(y, mean | None, rstd)``: ``y`` like x ``(n, major, minor)``, statistics ``(n, groups)`` float32.
 
   y is in ``y_dtype`` (None: x's). A float32 y from a 16-bit x widens x first
   (exactly; an XLA convert), so y is rounded once. A 16-bit y from a float32

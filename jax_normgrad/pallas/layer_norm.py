@@ -79,7 +79,7 @@ def layer_norm_fwd(*args, operands, eps, centered, param_groups, write_xhat, y_d
   # The tiles compute in float32; 16-bit parameters are converted first.
   weight, bias = map(reference.float32_or_none, (weight, bias))
   seg = _rows(x, centered, param_groups)
-  view = (seg.n, 1, seg.b)
+  view = (seg.n, 1, seg.minor)
   extra = {} if residual is None else dict(residual=residual.reshape(view), h_dtype=h_dtype)
   y, mean, rstd, *h = kernels.forward(seg, x.reshape(view), weight, bias, eps=eps,
                                       interpret=interpret, y_dtype=y_dtype, backend=backend,
@@ -118,7 +118,7 @@ def layer_norm_bwd(*args, operands, centered, output_mask, param_groups, normali
     if _kernel_x_dtype(x.dtype, normalized, mask) != x.dtype:
       kx, kdy = x.astype(F32), dy.astype(F32)
   seg = _rows(x, centered, param_groups)
-  view = (seg.n, 1, seg.b)
+  view = (seg.n, 1, seg.minor)
   kernel_dh = None if dh is None or normalized else dh.reshape(view)
   kernel_dx_dy = write_dx_dy and not normalized
   outs = kernels.backward(seg, kdy.reshape(view), kx.reshape(view),

@@ -107,14 +107,14 @@ def unsupported(seg: common.Segments, itemsize: int, *, backward: bool,
     return missing
   if seg.kind != "rows":
     if mosaic_gpu_group_norm.GroupRows(seg).plans(itemsize, backward=backward) is None:
-      return (f"rows of {seg.b} elements (the {'HW' if seg.chan_axis == 1 else 'C'} of GroupNorm) "
+      return (f"rows of {seg.minor} elements (the {'HW' if seg.chan_axis == 1 else 'C'} of GroupNorm) "
               f"do not fit the Mosaic GPU kernels' shared memory")
     return None
   kw = dict(backward=backward, extra_bytes=extra_bytes)
-  if (config.mosaic_gpu_plan(seg.b, itemsize, in_place=not backward, **kw) is None
-      and config.mosaic_gpu_pieces(seg.b, itemsize, **kw) is None):
+  if (config.mosaic_gpu_plan(seg.minor, itemsize, in_place=not backward, **kw) is None
+      and config.mosaic_gpu_pieces(seg.minor, itemsize, **kw) is None):
     what = " with the residual form's rows" if extra_bytes else ""
-    return (f"rows of {seg.b} elements{what} are longer than the Mosaic GPU kernels' pieces "
+    return (f"rows of {seg.minor} elements{what} are longer than the Mosaic GPU kernels' pieces "
             "allow")
   return None
 
@@ -139,7 +139,7 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=N
     assert not has_residual, "the residual form is rows only"
     return mosaic_gpu_group_norm.forward(x, weight, bias, seg=seg, eps=eps, interpret=interpret)
   n_params = (weight is not None) + (bias is not None)
-  plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=False, params=n_params,
+  plan = config.mosaic_gpu_plan(seg.minor, x.dtype.itemsize, backward=False, params=n_params,
                                 extra_bytes=mosaic_gpu_rows.residual_bytes(residual, h_dtype),
                                 in_place=True)
   if plan is None:
@@ -166,7 +166,7 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
   has_gamma = gamma is not None
   n_acc = mask[1] + mask[2]
   dh_bytes = 0 if dh is None else dh.dtype.itemsize
-  plan = config.mosaic_gpu_plan(seg.b, x.dtype.itemsize, backward=True, params=int(has_gamma),
+  plan = config.mosaic_gpu_plan(seg.minor, x.dtype.itemsize, backward=True, params=int(has_gamma),
                                 outputs=int(mask[0]), partials=n_acc, extra_bytes=dh_bytes)
   if plan is None:
     return mosaic_gpu_pieces.backward(dy, x, mean, rstd, gamma, dh, seg=seg, mask=mask,

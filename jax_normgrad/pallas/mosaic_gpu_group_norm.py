@@ -70,16 +70,16 @@ class GroupRows:
     self.gn = seg
     self.per_row = seg.chan_axis == 1
     self.pieces = 1
-    self.rows = common.Segments("rows", seg.n * seg.a, 1, seg.b, groups=1,
+    self.rows = common.Segments("rows", seg.n * seg.major, 1, seg.minor, groups=1,
                                 param_groups=1 if self.per_row else seg.n)
-    self.spatial = seg.b if self.per_row else seg.a
+    self.spatial = seg.minor if self.per_row else seg.major
 
   def _cut(self, pieces: int, length: int):
     seg = self.gn
     self.pieces = pieces
-    self.rows = common.Segments("rows", seg.n * seg.a * pieces, 1, length, groups=1,
+    self.rows = common.Segments("rows", seg.n * seg.major * pieces, 1, length, groups=1,
                                 param_groups=1)
-    self.tail = seg.b - (pieces - 1) * length
+    self.tail = seg.minor - (pieces - 1) * length
 
   def plans(self, itemsize: int, *, backward: bool, mask=(True, True, True), has_r: bool = True):
     """``(sums plan, apply plan | None)``: the SMEM layouts of the two kernels' rows.
@@ -88,7 +88,7 @@ class GroupRows:
     counts the coefficient rows staged in SMEM (the activation's gamma, beta
     and rstd backward at most).
     """
-    h = self.rows.b
+    h = self.rows.minor
     coefs = 0 if self.per_row else 1
     act = 2 if backward and self.gn.activation is not None else 0
     sums_kw = dict(backward=backward, inputs=1 + backward, outputs=0,
@@ -122,11 +122,11 @@ class GroupRows:
 
   def rows_of(self, a):
     """x or dy ``(N, a, b)`` as the kernels' rows ``(rows, length)`` (pieces zero-padded)."""
-    a = a.reshape(-1, self.gn.b)
-    pad = self.pieces * self.rows.b - self.gn.b
+    a = a.reshape(-1, self.gn.minor)
+    pad = self.pieces * self.rows.minor - self.gn.minor
     if pad:
       a = jnp.pad(a, [(0, 0), (0, pad)])
-    return a.reshape(self.rows.n, self.rows.b)
+    return a.reshape(self.rows.n, self.rows.minor)
 
   def per_channel(self, launch, out):
     """Per-(i, c) sums from the sums kernel's outputs: ``(N, C)`` float32.
@@ -140,7 +140,7 @@ class GroupRows:
 
   def counts(self):
     """Elements of each piece of an NCHW row (the last one is short)."""
-    return [float(self.rows.b)] * (self.pieces - 1) + [float(self.tail)]
+    return [float(self.rows.minor)] * (self.pieces - 1) + [float(self.tail)]
 
   def expand(self, a):
     """``(N, G)`` -> ``(N, C)``: a per-group value for each of the group's channels."""
@@ -202,7 +202,7 @@ def sums_kernel(*refs, launch: pipeline.Launch, rows: GroupRows, backward: bool,
                               has_residual, backward, staged, columns, True, staged)
   w, p, start, end = launch.rows()
   at_row = _coef_reader(launch, rows, (m_ref, s_ref, ag_ref, ab_ref), cs, cbar, w)
-  length = launch.seg.b
+  length = launch.seg.minor
   if columns:
     zeros = jnp.zeros((launch.plan.width,), F32)
 
@@ -404,7 +404,7 @@ def _gn_apply(rows: GroupRows, plan, x, dy, m, q, r, p, *, interpret, activation
       [jax.ShapeDtypeStruct((rows.rows.n, plan.chunks, plan.width), x.dtype)], scratch,
       view(x), None if dy is None else view(dy), *(coef(a) for a in (m, q, r, p) + tuple(act)),
       interpret=interpret, name="jax_normgrad_norm_bwd" if has_dy else "jax_normgrad_norm_fwd")
-  out = out.reshape(-1, rows.pieces * plan.padded)[:, :rows.gn.b]
+  out = out.reshape(-1, rows.pieces * plan.padded)[:, :rows.gn.minor]
   return out.reshape(x.shape)
 
 
@@ -443,10 +443,10 @@ def _whole_segments(seg: common.Segments, itemsize: int, *, backward: bool,
   """
   if seg.chan_axis != 1:
     return None
-  width = next((w for w in (256, 128) if seg.b % w == 0), None)
+  width = next((w for w in (256, 128) if seg.minor % w == 0), None)
   if width is None:
     return None
-  length = seg.cg * seg.b
+  length = seg.cg * seg.minor
   if backward:
     plan = config.mosaic_gpu_plan(length, itemsize, backward=True, params=0,
                                   outputs=int(mask[0]), partials=mask[1] + mask[2], width=width)
@@ -455,12 +455,12 @@ def _whole_segments(seg: common.Segments, itemsize: int, *, backward: bool,
                                   width=width)
   if plan is None or plan.stages < 2:
     return None
-  return mosaic_gpu_rows.ChannelChunks(groups=seg.groups, cg=seg.cg, cpc=seg.b // width), plan
+  return mosaic_gpu_rows.ChannelChunks(groups=seg.groups, cg=seg.cg, cpc=seg.minor // width), plan
 
 
 def _segment_launch(seg: common.Segments, plan, interpret):
   """The row kernels' launch over the segments: rows of ``cg * HW``, a piece per group."""
-  rows = common.Segments("rows", seg.n, 1, seg.cg * seg.b, groups=1,
+  rows = common.Segments("rows", seg.n, 1, seg.cg * seg.minor, groups=1,
                          param_groups=seg.param_groups, activation=seg.activation)
   return pipeline.Launch(rows, plan, interpret, pieces=seg.groups)
 

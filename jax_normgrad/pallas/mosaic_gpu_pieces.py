@@ -72,7 +72,7 @@ def _piece_sums(seg, pieces, plan, x4, dy4, mean, rstd, gamma4, *, interpret, r4
   gamma = None if gamma4 is None else gamma4.reshape(-1, plan.chunks, plan.width)
   kernel = functools.partial(mosaic_gpu_group_norm.sums_kernel, launch=launch, rows=rows,
                              backward=backward, pieces=pieces,
-                             tail=seg.b - (pieces - 1) * plan.padded,
+                             tail=seg.minor - (pieces - 1) * plan.padded,
                              param_rows=None if gamma is None else seg.per_group,
                              has_residual=r4 is not None)
   a, b = launch.call(kernel, [out, out], scratch, flat(x4), flat(r4), flat(dy4), rows.coef(mean),
@@ -92,16 +92,16 @@ def forward(x, residual, weight, bias, *, seg: common.Segments, eps: float, inte
   has_residual = residual is not None
   r_bytes = residual.dtype.itemsize if has_residual else 0
   pieces, plan = config.mosaic_gpu_pieces(
-      seg.b, x.dtype.itemsize, backward=False, params=n_params,
+      seg.minor, x.dtype.itemsize, backward=False, params=n_params,
       extra_bytes=mosaic_gpu_rows.residual_bytes(residual, h_dtype))
   length = plan.padded
-  x4 = _pieces(x.reshape(seg.n, seg.b), pieces, plan)
-  r4 = _pieces(residual.reshape(seg.n, seg.b), pieces, plan) if has_residual else None
+  x4 = _pieces(x.reshape(seg.n, seg.minor), pieces, plan)
+  r4 = _pieces(residual.reshape(seg.n, seg.minor), pieces, plan) if has_residual else None
   sums_plan = config.mosaic_gpu_plan(length, x.dtype.itemsize, backward=False, params=0,
                                      outputs=0, extra_bytes=r_bytes)
   means, m2s = _piece_sums(seg, pieces, sums_plan, x4, None, None, None, None,
                            interpret=interpret, r4=r4)
-  counts = [float(length)] * (pieces - 1) + [float(seg.b - (pieces - 1) * length)]
+  counts = [float(length)] * (pieces - 1) + [float(seg.minor - (pieces - 1) * length)]
   if seg.centered:
     state = (counts[0], means[:, 0], m2s[:, 0])
     for j in range(1, pieces):  # Chan's merge, in piece order
@@ -109,7 +109,7 @@ def forward(x, residual, weight, bias, *, seg: common.Segments, eps: float, inte
     mean, m2 = state[1], state[2]
   else:  # the sum of squares: M2 + n * mean^2 per piece
     mean, m2 = None, common.ordered_sum(m2s + jnp.asarray(counts, F32) * means * means, 1)
-  rstd = lax.rsqrt(m2 / seg.b + jnp.float32(eps))
+  rstd = lax.rsqrt(m2 / seg.minor + jnp.float32(eps))
   stats = [a.reshape(seg.n, 1) for a in (mean, rstd) if a is not None]
   launch = pipeline.Launch(seg, plan, interpret, pieces=pieces)
   params = [None if a is None else _pieces(a, pieces, plan).reshape(-1, plan.chunks, plan.width)
@@ -124,7 +124,7 @@ def forward(x, residual, weight, bias, *, seg: common.Segments, eps: float, inte
     out_shape.append(jax.ShapeDtypeStruct(x4.shape, h_dtype))
   outs = launch.call(kernel, out_shape, scratch, x4, r4, *params, *stats, interpret=interpret,
                      name="jax_normgrad_norm_fwd")
-  y, *h = [a.reshape(seg.n, pieces * length)[:, :seg.b].reshape(x.shape) for a in outs]
+  y, *h = [a.reshape(seg.n, pieces * length)[:, :seg.minor].reshape(x.shape) for a in outs]
   return (y, (stats[0] if seg.centered else None), stats[-1], *h)
 
 
@@ -135,14 +135,14 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
   """
   has_gamma = gamma is not None
   n_acc = mask[1] + mask[2]
-  pieces, plan = config.mosaic_gpu_pieces(seg.b, x.dtype.itemsize, backward=True,
+  pieces, plan = config.mosaic_gpu_pieces(seg.minor, x.dtype.itemsize, backward=True,
                                           params=int(has_gamma), outputs=int(mask[0]),
                                           partials=n_acc,
                                           extra_bytes=0 if dh is None else dh.dtype.itemsize)
   length = plan.padded
-  x4 = _pieces(x.reshape(seg.n, seg.b), pieces, plan)
-  dy4 = _pieces(dy.reshape(seg.n, seg.b), pieces, plan)
-  dh4 = None if dh is None else _pieces(dh.reshape(seg.n, seg.b), pieces, plan)
+  x4 = _pieces(x.reshape(seg.n, seg.minor), pieces, plan)
+  dy4 = _pieces(dy.reshape(seg.n, seg.minor), pieces, plan)
+  dh4 = None if dh is None else _pieces(dh.reshape(seg.n, seg.minor), pieces, plan)
   gamma4 = None if gamma is None else _pieces(gamma, pieces, plan)
   cs = []
   if mask[0]:
@@ -151,8 +151,8 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
     m = mean if seg.centered else jnp.zeros_like(rstd)
     s1, s2 = _piece_sums(seg, pieces, sums_plan, x4, dy4, m, rstd, gamma4, interpret=interpret)
     if seg.centered:
-      cs.append((common.ordered_sum(s1, 1) / seg.b).reshape(seg.n, 1))
-    cs.append((common.ordered_sum(s2, 1) / seg.b).reshape(seg.n, 1))
+      cs.append((common.ordered_sum(s1, 1) / seg.minor).reshape(seg.n, 1))
+    cs.append((common.ordered_sum(s2, 1) / seg.minor).reshape(seg.n, 1))
   launch = pipeline.Launch(seg, plan, interpret, pieces=pieces)
   scratch = mosaic_gpu_rows.bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc,
                                         None if dh is None else dh.dtype)
@@ -167,7 +167,7 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
       interpret=interpret, name="jax_normgrad_norm_bwd"))
   dx = None
   if mask[0]:
-    dx = outs.pop(0).reshape(seg.n, pieces * length)[:, :seg.b].reshape(x.shape)
+    dx = outs.pop(0).reshape(seg.n, pieces * length)[:, :seg.minor].reshape(x.shape)
   sums = []
   for want in mask[1:]:
     if not want:
@@ -175,5 +175,5 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
       continue
     part = outs.pop(0).reshape(seg.param_groups, pieces, launch.ctas, length)
     part = jnp.moveaxis(part, 1, 2).reshape(seg.param_groups, launch.ctas, pieces * length)
-    sums.append(common.ordered_sum(part[..., :seg.b], 1))
+    sums.append(common.ordered_sum(part[..., :seg.minor], 1))
   return (dx, *sums)

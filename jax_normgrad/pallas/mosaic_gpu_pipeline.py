@@ -67,7 +67,7 @@ class Launch:
 
   def unview(self, a):
     """The inverse of ``view`` for a ``(rows, chunks, width)`` result."""
-    return a.reshape(a.shape[0], self.plan.padded)[:, :self.seg.b]
+    return a.reshape(a.shape[0], self.plan.padded)[:, :self.seg.minor]
 
   def staged(self, n_params) -> bool:
     """Whether the kernel has SMEM buffers (and a barrier) for its ``n_params`` parameter rows."""
@@ -106,9 +106,9 @@ class Launch:
 
     ``length``: the row's valid length where it varies (a traced scalar).
     """
-    if length is None and self.plan.padded == self.seg.b:
+    if length is None and self.plan.padded == self.seg.minor:
       return None
-    length = self.seg.b if length is None else length
+    length = self.seg.minor if length is None else length
     width = self.plan.width
     if self.interpret:  # GPU interpret mode has no rule for layout casts
       iota = lax.broadcasted_iota(jnp.int32, (width,), 0)

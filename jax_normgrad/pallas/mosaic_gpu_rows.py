@@ -114,7 +114,7 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
       mean = gmean_ref[i, 0] if seg.centered else None
       rstd = grstd_ref[i, 0]
     elif seg.centered:
-      mean = jnp.sum(launch.sum_chunks(lambda k: (load(k),))[0]) / seg.b
+      mean = jnp.sum(launch.sum_chunks(lambda k: (load(k),))[0]) / seg.minor
 
       def square(k):
         d = load(k) - mean
@@ -126,7 +126,7 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
       square = lambda k: (load(k) * load(k),)  # padding is 0
     if not given:
       # lax.rsqrt: Mosaic GPU has no sqrt (common.inv_std).
-      rstd = lax.rsqrt(jnp.sum(launch.sum_chunks(square)[0]) / seg.b + jnp.float32(eps))
+      rstd = lax.rsqrt(jnp.sum(launch.sum_chunks(square)[0]) / seg.minor + jnp.float32(eps))
     pipeline.wait_output_slot(launch)
 
     def write(k, carry):
@@ -184,7 +184,7 @@ def forward(x, residual, weight, bias, plan, *, seg: common.Segments, eps: float
   has_residual = h_dtype is not None
   n_params = (weight is not None) + (bias is not None)
   launch = pipeline.Launch(seg, plan, interpret)
-  view = lambda a: None if a is None else launch.view(a.reshape(seg.n, seg.b))
+  view = lambda a: None if a is None else launch.view(a.reshape(seg.n, seg.minor))
   stats = jax.ShapeDtypeStruct((seg.n, 1), F32)
   out_rows = lambda dtype: jax.ShapeDtypeStruct((seg.n, plan.chunks, plan.width), dtype)
   scratch = fwd_scratch(launch, plan, x.dtype, n_params,
@@ -258,8 +258,8 @@ def bwd_kernel(*refs, launch: pipeline.Launch, mask: tuple[bool, bool, bool], ha
         _, xhat, g = tile(k)
         return (g, g * xhat)
       s1, s2 = launch.sum_chunks(means)
-      c1 = jnp.sum(s1) / seg.b if seg.centered else None
-      c2 = jnp.sum(s2) / seg.b
+      c1 = jnp.sum(s1) / seg.minor if seg.centered else None
+      c2 = jnp.sum(s2) / seg.minor
       pipeline.wait_output_slot(launch)
 
     def chunk(k, carry):
@@ -317,7 +317,7 @@ def backward(dy, x, mean, rstd, gamma, dh, plan, *, seg: common.Segments, mask, 
   has_gamma = gamma is not None
   n_acc = mask[1] + mask[2]
   launch = pipeline.Launch(seg, plan, interpret)
-  view = lambda a: None if a is None else launch.view(a.reshape(seg.n, seg.b))
+  view = lambda a: None if a is None else launch.view(a.reshape(seg.n, seg.minor))
   scratch = bwd_scratch(launch, plan, x.dtype, dy.dtype, mask, has_gamma, n_acc,
                         None if dh is None else dh.dtype)
   partial = jax.ShapeDtypeStruct((seg.param_groups, launch.ctas, plan.chunks, plan.width), F32)
@@ -333,7 +333,7 @@ def backward(dy, x, mean, rstd, gamma, dh, plan, *, seg: common.Segments, mask, 
   for m in mask[1:]:
     if m:
       part = outs.pop(0)
-      part = part.reshape(part.shape[:2] + (plan.padded,))[..., :seg.b]
+      part = part.reshape(part.shape[:2] + (plan.padded,))[..., :seg.minor]
       sums.append(common.ordered_sum(part, 1))
     else:
       sums.append(None)

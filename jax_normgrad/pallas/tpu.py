@@ -146,10 +146,10 @@ class _Rows(_Layout):
   chunk_axes = ("h",)
 
   def __init__(self, seg, itemsize):
-    self.tm, self.th = config.tpu_rows_tiles(seg.per_group, seg.b, itemsize)
+    self.tm, self.th = config.tpu_rows_tiles(seg.per_group, seg.minor, itemsize)
     super().__init__(seg, self.tm)
-    self.sizes["h"] = config.cdiv(seg.b, self.th)
-    w, mw, h = seg.param_groups, seg.per_group, seg.b
+    self.sizes["h"] = config.cdiv(seg.minor, self.th)
+    w, mw, h = seg.param_groups, seg.per_group, seg.minor
     self.data_shape, self.stats_shape = (w, mw, h), (w, mw, 1)
     self.partial_shape = (w, self.programs, 1, h)
     self.data_block, self.stats_block = (None, self.tm, self.th), (None, self.tm, 1)
@@ -174,7 +174,7 @@ class _Rows(_Layout):
     return s.reshape(self.seg.n, 1)
 
   def view_param(self, p):
-    return p.reshape(self.seg.param_groups, 1, self.seg.b)
+    return p.reshape(self.seg.param_groups, 1, self.seg.minor)
 
   def seg_sum(self, v):
     return jnp.sum(v, axis=1, keepdims=True)
@@ -189,10 +189,10 @@ class _Rows(_Layout):
     return (ids["p"] * self.steps + ids["s"]) * self.tm + rows < self.seg.per_group
 
   def inner_mask(self, ids):
-    if self.seg.b % self.th == 0:
+    if self.seg.minor % self.th == 0:
       return None
     cols = lax.broadcasted_iota(jnp.int32, (self.tm, self.th), 1)
-    return ids["h"] * self.th + cols < self.seg.b
+    return ids["h"] * self.th + cols < self.seg.minor
 
 
 class _ChannelsFirst(_Layout):
@@ -203,11 +203,11 @@ class _ChannelsFirst(_Layout):
   chunk_axes = ("c", "h")
 
   def __init__(self, seg, itemsize):
-    self.tn, self.tc, self.thw = config.tpu_channels_first_tiles(seg.per_group, seg.cg, seg.b,
+    self.tn, self.tc, self.thw = config.tpu_channels_first_tiles(seg.per_group, seg.cg, seg.minor,
                                                                  itemsize)
     super().__init__(seg, self.tn)
-    self.sizes["c"], self.sizes["h"] = config.cdiv(seg.cg, self.tc), config.cdiv(seg.b, self.thw)
-    w, nw, g, cg, hw = seg.param_groups, seg.per_group, seg.groups, seg.cg, seg.b
+    self.sizes["c"], self.sizes["h"] = config.cdiv(seg.cg, self.tc), config.cdiv(seg.minor, self.thw)
+    w, nw, g, cg, hw = seg.param_groups, seg.per_group, seg.groups, seg.cg, seg.minor
     self.data_shape, self.stats_shape = (w, nw, g, cg, hw), (w, nw, g, 1, 1)
     self.partial_shape = (w, self.programs, g, 1, cg, 1)
     self.data_block, self.stats_block = (None, self.tn, None, self.tc, self.thw), (
@@ -247,7 +247,7 @@ class _ChannelsFirst(_Layout):
       return None
     shape = (self.tc, self.thw)
     chans = ids["c"] * self.tc + lax.broadcasted_iota(jnp.int32, shape, 0) < self.seg.cg
-    space = ids["h"] * self.thw + lax.broadcasted_iota(jnp.int32, shape, 1) < self.seg.b
+    space = ids["h"] * self.thw + lax.broadcasted_iota(jnp.int32, shape, 1) < self.seg.minor
     return (chans & space)[None]
 
 
@@ -263,10 +263,10 @@ class _ChannelsLast(_Layout):
   chunk_axes = ("h",)
 
   def __init__(self, seg, itemsize):
-    self.tn, self.thw = config.tpu_channels_last_tiles(seg.per_group, seg.a, seg.b, itemsize)
+    self.tn, self.thw = config.tpu_channels_last_tiles(seg.per_group, seg.major, seg.minor, itemsize)
     super().__init__(seg, self.tn)
-    self.sizes["h"] = config.cdiv(seg.a, self.thw)
-    w, nw, hw, c = seg.param_groups, seg.per_group, seg.a, seg.b
+    self.sizes["h"] = config.cdiv(seg.major, self.thw)
+    w, nw, hw, c = seg.param_groups, seg.per_group, seg.major, seg.minor
     self.data_shape, self.stats_shape = (w, nw, hw, c), (w, nw, 1, c)
     self.partial_shape = (w, self.programs, 1, 1, c)
     self.data_block, self.stats_block = (None, self.tn, self.thw, c), (None, self.tn, 1, c)
@@ -288,10 +288,10 @@ class _ChannelsLast(_Layout):
     return jnp.repeat(s, self.seg.cg, axis=1).reshape(self.stats_shape)
 
   def unview_stats(self, s):
-    return s.reshape(self.seg.n, self.seg.b)[:, ::self.seg.cg]
+    return s.reshape(self.seg.n, self.seg.minor)[:, ::self.seg.cg]
 
   def view_param(self, p):
-    return p.reshape(self.seg.param_groups, 1, self.seg.b)
+    return p.reshape(self.seg.param_groups, 1, self.seg.minor)
 
   def seg_sum(self, v):
     return _lane_group_sum(jnp.sum(v, axis=1, keepdims=True), self.seg.groups, self.seg.cg)
@@ -302,8 +302,8 @@ class _ChannelsLast(_Layout):
   def inner_mask(self, ids):
     if self.fused:
       return None
-    rows = lax.broadcasted_iota(jnp.int32, (self.thw, self.seg.b), 0)
-    return (ids["h"] * self.thw + rows < self.seg.a)[None]
+    rows = lax.broadcasted_iota(jnp.int32, (self.thw, self.seg.minor), 0)
+    return (ids["h"] * self.thw + rows < self.seg.major)[None]
 
 
 _LAYOUTS = {"rows": _Rows, "channels_first": _ChannelsFirst, "channels_last": _ChannelsLast}
