@@ -20,11 +20,13 @@ def test_cli_json_parses_and_exits_0():
   assert run.returncode == 0, run.stderr[-3000:]
   report = json.loads(run.stdout)
   assert report["ok"] is True and report["platform"] == cases.PLATFORM
-  kernel = "ffi" if cases.PLATFORM == "cpu" else "pallas"
+  kernel = {"cpu": "ffi", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}[cases.PLATFORM]
   assert report["implementations"] == {
       "jax_normgrad_group_norm_bwd": kernel, "jax_normgrad_group_norm_fwd": kernel,
       "jax_normgrad_layer_norm_bwd": kernel, "jax_normgrad_layer_norm_fwd": kernel}
-  assert set(report["primitive_ops"]) == set(report["implementations"])
+  assert set(report["primitive_ops"]) == set(report["implementations"]) == set(report["why"])
+  assert all(w.startswith(f"the default on {cases.PLATFORM} (") for w in report["why"].values())
+  assert set(report["settings"]) == {"JAX_NORMGRAD_FORWARD", "JAX_NORMGRAD_GPU_BACKEND"}
   assert {"jax", "jaxlib", "jax_normgrad", "python"} <= set(report["versions"])
   ops = {c["op"] for c in report["checks"]}
   for op in ("layer_norm_backward", "grad(layer_norm)", "rms_norm_fwd", "rms_norm_backward",
