@@ -17,6 +17,7 @@ import functools
 import inspect
 
 import jax
+from jax.extend import core as jax_core
 
 #: The keyword of ``jax.ShapeDtypeStruct`` that carries the varying axes.
 _STRUCT_KEYWORD = ("manual_axis_type"
@@ -290,3 +291,15 @@ def bind_equation(eqn, invals):
     return eqn.primitive.bind(*subfuns, *invals, **params)
   with ctx:
     return eqn.primitive.bind(*subfuns, *invals, **params)
+
+
+#: ``jax.extend.core.DropVar`` where that module exports it.
+_DROP_VAR = getattr(jax_core, "DropVar", None)
+
+
+def is_drop_var(v) -> bool:
+  """Whether the jaxpr variable ``v`` is a dropped output (printed ``_``)."""
+  if _DROP_VAR is not None:
+    return isinstance(v, _DROP_VAR)
+  # jax.extend.core of jax 0.8.1 exports no DropVar; its class bears the name.
+  return type(v).__name__ == "DropVar"

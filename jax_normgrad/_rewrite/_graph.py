@@ -37,7 +37,7 @@ def _renamed(jaxpr):
   ren: dict = {}
 
   def var(v):
-    if is_literal(v) or isinstance(v, jcore.DropVar):
+    if is_literal(v) or _compat.is_drop_var(v):
       return v
     if v not in ren:
       ren[v] = jcore.Var(v.aval)
@@ -105,7 +105,7 @@ class Graph:
           self.alias[v] = self.resolve(a)
         self._flatten(inner_jaxpr, path + (e.params.get("name", name),))
         for o, a in zip(e.outvars, inner_jaxpr.outvars):
-          if not isinstance(o, jcore.DropVar):
+          if not _compat.is_drop_var(o):
             self.alias[o] = self.resolve(a)
             if top:
               self.scope_vars.add(o)
@@ -123,7 +123,7 @@ class Graph:
       self.eqns.append(e)
       self.path.append(path)
       if top:
-        self.scope_vars.update(o for o in e.outvars if not isinstance(o, jcore.DropVar))
+        self.scope_vars.update(o for o in e.outvars if not _compat.is_drop_var(o))
 
   def scope_var(self, atom):
     """The variable of this jaxpr that holds a (resolved) value, or None (an inner jit's own)."""
@@ -162,7 +162,7 @@ class Graph:
 
   def _fold_constants(self):
     for e in self.eqns:
-      if e.effects or any(isinstance(o, jcore.DropVar) for o in e.outvars):
+      if e.effects or any(_compat.is_drop_var(o) for o in e.outvars):
         continue
       if any(math.prod(getattr(o.aval, "shape", (1 << 30,))) > MAX_CONST_ELEMENTS
              for o in e.outvars):

@@ -91,7 +91,7 @@ class _Rewriter:
         e = jaxpr.eqns[step]
         outs = self.bind(e, [read(a) for a in e.invars], where)
         env.update((o, val) for o, val in zip(e.outvars, outs)
-                   if not isinstance(o, jcore.DropVar) and o not in replaced)
+                   if not _compat.is_drop_var(o) and o not in replaced)
       else:
         env.update(_apply(matches[step[1]], read, g))
         self.applied += 1
