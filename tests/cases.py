@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -102,15 +103,25 @@ def export_for(platform, f, args, *, mesh=None, device_kind=None, no_device=Fals
   if mesh is not None:
     # shard_map requires the context mesh to be its own, concrete one.
     pytest.skip(EXPORT_SKIP)
-  device = jax.sharding.AbstractDevice(device_kind=device_kind or "NVIDIA H100", num_cores=None,
-                                       platform=platform)
-  mesh = jax.sharding.AbstractMesh((1,), ("_",), (jax.sharding.AxisType.Auto,),
-                                   abstract_device=device)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) or one)
           for a in args]
-  with jax.sharding.use_abstract_mesh(mesh):
+  with abstract_gpu(platform, device_kind or "NVIDIA H100"):
     return exported(*args)
+
+
+@contextlib.contextmanager
+def abstract_gpu(platform="cuda", device_kind="NVIDIA H100"):
+  """Lowerings inside target one abstract GPU of ``device_kind`` (``jax.sharding.use_abstract_mesh``).
+
+  What a machine with no GPU needs from jax 0.11 for Pallas Triton to lower
+  (``export_for``) and for the dispatcher to pick it (``gpu_target.triton_problem``).
+  """
+  device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform=platform)
+  mesh = jax.sharding.AbstractMesh((1,), ("_",), (jax.sharding.AxisType.Auto,),
+                                   abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    yield
 
 
 def narrow(request, reason: str, tests=(), **allowed):

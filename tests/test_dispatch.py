@@ -9,6 +9,7 @@ tests/test_gpu_target.py.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import jax
@@ -18,13 +19,21 @@ import pytest
 import jax_normgrad as jn
 from jax_normgrad import _dispatch, _settings
 from jax_normgrad.pallas import common, gpu_target, kernels
-from cases import needs_mosaic_gpu
+from cases import TRITON_LOWERING_NEEDS_GPU_KIND, abstract_gpu, needs_mosaic_gpu
 
 OP = "jax_normgrad_layer_norm_fwd"
 
 
+def _gpu(platform):
+  """On a GPU platform from jax 0.11, an abstract H100 to lower for (no GPU is attached here)."""
+  if platform in ("cuda", "rocm") and TRITON_LOWERING_NEEDS_GPU_KIND:
+    return abstract_gpu()
+  return contextlib.nullcontext()
+
+
 def _choose(implementation, platform, **kw):
-  return _dispatch.choose(OP, implementation, platform, **kw)
+  with _gpu(platform):
+    return _dispatch.choose(OP, implementation, platform, **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -178,6 +187,7 @@ def test_explain_compiles_nothing_and_warns_nothing():
   x = jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    found = jn.explain(lambda x: jn.add_rms_norm(x, x)[0], x, platform="cuda")
+    with _gpu("cuda"):
+      found = jn.explain(lambda x: jn.add_rms_norm(x, x)[0], x, platform="cuda")
   assert [e.choice.implementation for e in found] == ["triton"]
   assert found[0].operands[0] == "bfloat16[4, 8]"

@@ -381,6 +381,47 @@ def test_isa_selection():
       assert f"ValueError: JAX_NORMGRAD_ISA={forced}: " in got.stderr, (forced, got.stderr[-2000:])
 
 
+def test_isa_builds_share_only_baseline_code():
+  """The FFI decoding the kernel builds share is compiled for the baseline ISA.
+
+  Each build's kernels live in a namespace of their own (``jax_normgrad::avx2::``) with
+  handler symbols of their own (``JngLayerNormFwd_avx2``), but the XLA FFI headers'
+  ``Handler<...>`` class, whose virtual ``Call`` decodes a call's arguments, is the same type
+  in every build (the implementations' signatures agree): each build emits a copy and the
+  linker keeps one, the first in link order, behind every build's handler. Registration calls
+  the selected build's handler, so that copy runs on any CPU the package imports on.
+  csrc/CMakeLists.txt links the builds baseline first, so that copy is the generic build's
+  (linked best first, it is the AVX-512 build's: an illegal instruction at import on a CPU
+  without AVX-512). The disassembly (binutils' objdump) of these virtual functions has no
+  AVX instruction: no VEX/EVEX mnemonic (``v...``), no ymm/zmm register.
+  """
+  import platform
+  import re
+  import shutil
+  import subprocess
+  from jax_normgrad import _jax_normgrad
+  if platform.machine() not in ("x86_64", "AMD64") or len(_isa_builds()) < 2:
+    pytest.skip("one kernel build only: no code is shared between builds")
+  objdump = shutil.which("objdump")
+  if objdump is None:
+    pytest.skip("no objdump (binutils) to disassemble the extension")
+  text = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", _jax_normgrad.__file__],
+                        check=True, capture_output=True, text=True).stdout
+  virtual = re.compile(r"^xla::ffi::Handler<.*>::(Call\(XLA_FFI_CallFrame\*\) const|~Handler\(\))")
+  avx = re.compile(r"\tv[a-z0-9]+\s|%[yz]mm\d")
+  checked, offenders, function = 0, {}, None
+  for line in text.splitlines():
+    header = re.match(r"[0-9a-f]+ <(.*)>:$", line)
+    if header:
+      function = header.group(1) if virtual.match(header.group(1)) else None
+      checked += function is not None
+    elif function is not None and avx.search(line):
+      offenders.setdefault(function, line.strip())
+  assert checked >= 5, f"found {checked} FFI handler methods in the disassembly"
+  assert not offenders, (f"{len(offenders)} of {checked} FFI handler methods use AVX: "
+                         + "; ".join(f"{f[:60]}...: {i}" for f, i in offenders.items()))
+
+
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
 def test_other_isa_builds_are_correct_too(isa):
   """Each kernel build the CPU runs besides the default (the baseline ISA on any CPU; the AVX2 one
