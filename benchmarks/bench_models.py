@@ -183,6 +183,12 @@ class Affine(nn.Module):
     return y + self.param("bias", nn.initializers.zeros, (d,)) if self.use_bias else y
 
 
+def module_variant(variant: str) -> str:
+  """The norms a variant's model is built with: ``rewrite`` is flax's model (the rewrite changes
+  its traced loss, not its layers)."""
+  return "flax" if variant == "rewrite" else variant
+
+
 def forward_of(variant: str) -> str | None:
   """The drop-ins' ``forward`` for a package variant: ``*_xla`` is XLA's forward, else the kernel."""
   return "xla" if variant.endswith("_xla") else "kernel"
@@ -278,7 +284,8 @@ XLA_FORWARD_VARIANTS = ("ours_xla", "fused_xla", "dropin_xla")
 
 def unet_variants() -> tuple[str, ...]:
   return ("flax", "ours", "ours_xla") + (
-      ("fused", "fused_xla") if fused_activation_available() else ()) + ("identity", "affine")
+      ("fused", "fused_xla") if fused_activation_available() else ()) + (
+      "rewrite", "identity", "affine")
 
 
 def _size(size, sizes: dict):
@@ -293,7 +300,7 @@ def unet_setup(variant: str, size="default", dtype=jnp.float32):
   stay float32, as flax's mixed precision), x in it too.
   """
   batch, side, channels, blocks, groups, cin = _size(size, UNET_SIZES)
-  model = UNetStack(channels, blocks, variant, groups, jnp.dtype(dtype))
+  model = UNetStack(channels, blocks, module_variant(variant), groups, jnp.dtype(dtype))
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((batch, side, side, cin), np.float32)).astype(dtype)
   out_side = side >> (len(channels) - 1)
@@ -378,7 +385,8 @@ class PreNormStack(nn.Module):
     return y.astype(jnp.float32)
 
 
-TRANSFORMER_VARIANTS = ("flax", "ours", "ours_xla", "dropin", "dropin_xla", "identity", "affine")
+TRANSFORMER_VARIANTS = ("flax", "ours", "ours_xla", "dropin", "dropin_xla", "rewrite", "identity",
+                        "affine")
 # The variants without this package's kernels: the reference and the two stand-ins for a free norm.
 BASELINES = ("flax", "identity", "affine")
 # The norm-free steps a saving is measured against, and its keys' suffix.
@@ -389,7 +397,7 @@ def transformer_setup(variant: str, norm: str = "layer", size="default", dtype=j
   """``(model, x, target)``; ``size`` a name of ``TRANSFORMER_SIZES`` or a :class:`TransformerSize`,
   ``dtype`` as :func:`unet_setup`'s (the residual stream in it too)."""
   batch, tokens, width, heads, blocks, causal = _size(size, TRANSFORMER_SIZES)
-  model = PreNormStack(blocks, heads, variant, norm, jnp.dtype(dtype), causal)
+  model = PreNormStack(blocks, heads, module_variant(variant), norm, jnp.dtype(dtype), causal)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((batch, tokens, width), np.float32)).astype(dtype)
   target = jnp.asarray(rng.standard_normal(x.shape, np.float32))
@@ -418,12 +426,18 @@ def _optimizer():
   return tx.init, update, f"optax {optax.__version__} adam"
 
 
-def training_step(model: nn.Module, x, target) -> tuple[Callable, tuple]:
-  """The jitted ``step(params, opt_state, x, target) -> (loss, params, opt_state)`` and its args."""
+def training_step(model: nn.Module, x, target, rewrite: bool = False) -> tuple[Callable, tuple]:
+  """The jitted ``step(params, opt_state, x, target) -> (loss, params, opt_state)`` and its args.
+
+  ``rewrite``: the loss under :func:`jax_normgrad.rewrite` (the ``rewrite`` variant)."""
   init, update, _ = _optimizer()
 
   def loss_fn(params, x, target):
     return jnp.mean(jnp.square(model.apply(params, x) - target))
+
+  if rewrite:
+    import jax_normgrad as jn
+    loss_fn = jn.rewrite(loss_fn)
 
   @jax.jit
   def step(params, opt_state, x, target):
@@ -532,8 +546,8 @@ def measure_model(name: str, setups: dict[str, Any], iters: int, rounds: int,
   """
   t0 = time.perf_counter()
   options = {"xla_enable_command_buffers_during_profiling": True} if trace_calls else None
-  compiled = compile_steps({v: training_step(*s) for v, s in setups.items()}, compile_threads,
-                           options)
+  compiled = compile_steps({v: training_step(*s, rewrite=split_variant(v)[0] == "rewrite")
+                            for v, s in setups.items()}, compile_threads, options)
   compile_s = time.perf_counter() - t0
   steps = {v: (c[0], c[1]) for v, c in compiled.items()}
   per_round = max(1, -(-iters // rounds))

@@ -65,7 +65,7 @@
 #   realistic-M    benchmarks/bench_models.py --model M (sd_unet, gpt2, dit_b: the sizes people
 #                  train on one GPU), bfloat16 then float32: flax's layers, the drop-ins with the
 #                  kernel forward and XLA's, the fused form, the norms as identity (VARIANTS_M:
-#                  its --variants; call-1 adds the partial sums in XLA as a variant of its own),
+#                  its --variants; call-1 adds the model under jn.rewrite, variant "rewrite"),
 #                  6 interleaved rounds of 4 steps with no profiler, then one trace per dtype with
 #                  command buffers on (2 calls of each variant, kernels and idle time; the trace
 #                  files in traces/); realistic_M.json / .log, a row saved per dtype. The
@@ -106,8 +106,8 @@ case $plan in
     : "${PROBE_ARGS:=--shapes 32768x1024,16384x4096,4096x16384 --stages 2,8 --calls 10}"
     : "${SWEEP_CONFIGS:=default,fwd_one_row,fwd_warps64,partials_tile16k,partials_xla}"
     : "${SWEEP_ROWS:=ln 32768x1024 bfloat16,ln 32768x1024 float32,ln 16384x4096 bfloat16,rms 16384x4096 float32,add_ln 8192x512 bfloat16,add_ln 8192x512 float32}"
-    : "${VARIANTS_sd_unet:=ours,ours_xla,fused,fused@gpu_partials_in_xla=True}"
-    : "${VARIANTS_gpt2:=dropin,dropin_xla,ours,ours@gpu_partials_in_xla=True}"
+    : "${VARIANTS_sd_unet:=ours,ours_xla,fused,rewrite}"
+    : "${VARIANTS_gpt2:=dropin,dropin_xla,ours,rewrite}"
     lim_mosaic_tests=80 lim_probe=75 lim_sweep=55 ;;
   call-2)
     budget=170
