@@ -250,7 +250,7 @@ for stage in $stages; do
     mosaic-tests)
       pytest_run pytest_mosaic.log "$(cap $lim_mosaic_tests 20)" \
         JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu PYTHONPATH="$(srcpath)" -- -k "Default or mosaic" \
-        --junitxml="$OUT/junit_mosaic.xml" $OP_SUITES tests/test_pallas.py ;;
+        -vv --tb=short --junitxml="$OUT/junit_mosaic.xml" tests/test_pallas.py $OP_SUITES ;;
     wheels)
       if [ "$mode" = dry ]; then
         run 10 wheels.log pip install --target "$site_dir" .whl/*.whl; site=$site_dir
@@ -315,7 +315,7 @@ tail -14 "$OUT/gn_check.log" 2>/dev/null
 tail -1 "$OUT/wheels.log" 2>/dev/null
 for log in pytest.log pytest_mosaic.log pytest_forward.log; do
   [ -f "$OUT/$log" ] || continue
-  echo "== $log"; grep -E "^(FAILED|ERROR)" "$OUT/$log" | cut -c1-150 | head -25; tail -2 "$OUT/$log"
+  echo "== $log"; grep -E "^(FAILED|ERROR)| (FAILED|ERROR) " "$OUT/$log" | cut -c1-150 | head -25; tail -2 "$OUT/$log"
 done
 # The device tool brings back at most 8 files of at most 16 MB each: the logs and JSON in one
 # archive, the models' traces (one per model and dtype, already compressed) as they are, less any

@@ -10,7 +10,9 @@
 # jaxtyping, pyyaml, rich and tqdm installed. Fetched, each pinned and without its dependencies:
 #   Liger-Kernel               bench_gpu.py's Liger columns (needs torch and triton: there)
 #   tokamax                    bench_gpu.py's tokamax column (Python >= 3.12, jax >= 0.11.1)
-#   jax-triton                 tokamax's Triton kernels (an optional dependency of tokamax)
+#   jax-triton                 tokamax's Triton kernels (an optional dependency of tokamax);
+#                              0.3.1, the one for the machine's Triton 3.6 (0.4.1 imports what
+#                              Triton 3.6 lacks and its calls fail on stubs)
 #   einshape, immutabledict, pydantic (+ pydantic-core, annotated-types, typing-inspection),
 #   qwix, xprof (+ fire, termcolor)
 #                              what `import tokamax` imports that the machine lacks (xprof, a
@@ -22,7 +24,7 @@
 set -eu
 wheels=(
   liger-kernel==0.8.5
-  tokamax==0.0.17 jax-triton==0.4.1
+  tokamax==0.0.17 jax-triton==0.3.1
   einshape==1.0 immutabledict==4.3.1 qwix==0.1.8
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   xprof==2.24.2 fire==0.7.1 termcolor==3.3.0
