@@ -632,7 +632,8 @@ def test_mosaic_gpu_forward_in_place(rng, centered):
   x = random(rng, (m, h), F32, scale=2.0, offset=0.5)
   w, b = random(rng, (1, h), F32, offset=1.0), random(rng, (1, h), F32)
   kw = dict(centered=centered, param_groups=1)
-  with config.override(mosaic_gpu_smem_bytes=7000):
+  # A cap above the default double buffer: the refill order of three slots.
+  with config.override(mosaic_gpu_smem_bytes=7000, mosaic_gpu_max_stages=8):
     assert config.mosaic_gpu_plan(h, 4, backward=False).stages == 1
     plan = config.mosaic_gpu_plan(h, 4, backward=False, in_place=True)
     assert (plan.in_place, plan.stages, plan.params_in_smem) == (True, 3, False)
@@ -655,8 +656,12 @@ def test_mosaic_gpu_forward_in_place(rng, centered):
 def test_mosaic_gpu_plan_keeps_rows_in_flight(h, itemsize, backward):
   # The stages: the fewest that keep mosaic_gpu_inflight_bytes of rows in flight per SM,
   # within the SMEM budget and the stage cap; two output stages wherever two inputs fit.
-  t, budget = config.current(), config.device().mosaic_gpu_smem_bytes
-  plan = config.mosaic_gpu_plan(h, itemsize, backward=backward, params=1 + (not backward))
+  # The planning with a deep cap (8 stages), then the default cap: the double buffer.
+  kw = dict(backward=backward, params=1 + (not backward))
+  assert 1 <= config.mosaic_gpu_plan(h, itemsize, **kw).stages <= 2
+  with config.override(mosaic_gpu_max_stages=8):
+    t, budget = config.current(), config.device().mosaic_gpu_smem_bytes
+    plan = config.mosaic_gpu_plan(h, itemsize, **kw)
   assert plan.smem <= budget and 1 <= plan.stages <= t.mosaic_gpu_max_stages
   assert plan.out_stages == min(plan.stages, 2)
   in_row = plan.padded * itemsize * (1 + backward)
@@ -668,13 +673,10 @@ def test_mosaic_gpu_plan_keeps_rows_in_flight(h, itemsize, backward):
   if plan.stages < t.mosaic_gpu_max_stages and plan.stages > 1:  # reached it, or SMEM is full
     assert (inflight(plan.stages) >= t.mosaic_gpu_inflight_bytes
             or plan.smem + in_row > budget)
-  # Rows of 1K-4K elements: at least 48 KiB in flight per SM (the target, or the stage cap's
-  # 7 rows of 1024 bf16), where the double buffer of the first kernels kept 2-8 KiB.
+  # Rows of 1K-4K elements: at least 48 KiB in flight per SM (the target, or the cap's 7 rows
+  # of 1024 bf16).
   if h <= 4096:
     assert inflight(plan.stages) >= 48 * 1024
-  with config.override(mosaic_gpu_max_stages=2):
-    assert config.mosaic_gpu_plan(h, itemsize, backward=backward,
-                                  params=1 + (not backward)).stages <= 2
 
 
 @needs_mosaic_gpu
