@@ -111,6 +111,10 @@ ROWS = [
     # A UNet's largest GroupNorm (benchmarks/bench_models.py at batch 32): 32 groups of 2 channels.
     ("gn_nhwc", (32, 64, 32, 32, 32), jnp.float32),
     ("gn_nhwc", (32, 64, 32, 32, 32), jnp.bfloat16),
+    # The SD-class UNet's GroupNorms (bench_models.py --model sd_unet: batch 8, a 64x64 latent,
+    # 320/640/1280 channels, 32 groups), whose kernels cost more than XLA's norms in that step.
+    *[("gn_nhwc", shape, dtype) for dtype in (jnp.bfloat16, jnp.float32)
+      for shape in ((8, 320, 64, 64, 32), (8, 640, 32, 32, 32), (8, 1280, 16, 16, 32))],
 ]
 # The same kinds at tiny sizes, odd widths included (CPU smoke test).
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("rms", (16, 72), jnp.bfloat16),

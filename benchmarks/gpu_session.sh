@@ -14,14 +14,17 @@
 # $OUT/traces/*.trace.json.gz (the device tool brings back at most 8 files of at most 16 MB).
 #
 # PLANs: the next calls, each its seconds, stages and settings (the variables below), in the
-# order the open GPU issue asks for: (1) the prepared checks, (2) the models at the sizes people
-# train, (3) the ops beside tokamax. Device time of a call: its seconds plus about 90 s of
-# machine start and transfer; a call made within 30 s of the last finds the machine warm.
-#   call-1   460 s: mosaic-tests (80) mosaic-probe (75) sweep (55) realistic-sd_unet (140)
-#            realistic-gpt2 (what is left, about 105). Device command: timeout_s 520, no carry.
-#   call-2   170 s: wheels realistic-dit_b (90) bench-peers (what is left, about 75). Run
-#            benchmarks/gpu_wheels.sh here first; device command: timeout_s 230, carry [".whl"].
-# Together about 12 minutes of device time with both starts, 11 with call-2 warm.
+# order the open GPU issue asks for, from what the H200 runs of 2026-11-28 left open
+# (BENCHMARKS.md): the SD-class UNet's GroupNorm kernels, which cost more than XLA's norms in
+# that step, and the float32 transformers, which those runs did not reach. Device time of a
+# call: its seconds plus about 30-90 s of machine start and transfer; a call made within 30 s
+# of the last finds the machine warm.
+#   call-1   460 s: bench-sd-gn (90) sweep (150: the SD GroupNorm rows, the channels-last
+#            tunings) realistic-gpt2 (float32, what is left, about 215). Device command:
+#            timeout_s 520, no carry.
+#   call-2   230 s: realistic-dit_b (float32, 130) mosaic-tests (what is left, about 95).
+#            Device command: timeout_s 290, no carry.
+# Together about 13 minutes of device time with both starts, 12 with call-2 warm.
 #
 # Stages, each with its time limit (the limit or what is left of the seconds, whichever is
 # less; the last stages of a plan get what the first leave). Recorded durations:
@@ -36,6 +39,9 @@
 #   bench          benchmarks/bench_gpu.py, every row (Triton) beside XLA, PyTorch, Liger and
 #                  tokamax where they import (after `wheels`); 210 s. The 16 rows with PyTorch
 #                  and Liger ran in 90 s on an H100. BENCH_ARGS: more arguments.
+#   bench-sd-gn    bench_gpu.py's rows of the SD-class UNet's GroupNorms (NHWC 8x64x64x320,
+#                  8x32x32x640, 8x16x16x1280 channels-last, bfloat16 and float32) beside XLA,
+#                  PyTorch and Liger, 3 rounds of 6 samples; 90 s (bench_sd_gn.json)
 #   bench-peers    bench_gpu.py's LayerNorm and RMSNorm rows (bfloat16 first) with every peer,
 #                  tokamax included (run `wheels` first), 3 rounds of 6 samples; 150 s. Each
 #                  row is saved as it ends (bench_peers.json).
@@ -65,7 +71,7 @@
 #   realistic-M    benchmarks/bench_models.py --model M (sd_unet, gpt2, dit_b: the sizes people
 #                  train on one GPU), bfloat16 then float32: flax's layers, the drop-ins with the
 #                  kernel forward and XLA's, the fused form, the norms as identity (VARIANTS_M:
-#                  its --variants; call-1 adds the model under jn.rewrite, variant "rewrite"),
+#                  its --variants; REALISTIC_DTYPES: its --dtypes, default both),
 #                  6 interleaved rounds of 4 steps with no profiler, then one trace per dtype with
 #                  command buffers on (2 calls of each variant, kernels and idle time; the trace
 #                  files in traces/); realistic_M.json / .log, a row saved per dtype. The
@@ -98,21 +104,22 @@ mkdir -p "$OUT"
 plan=${1:-540}
 [ $# -gt 0 ] && shift
 # Each stage's own limit (seconds); a plan sets some lower.
-lim_mosaic_tests=100 lim_probe=120 lim_sweep=240 lim_realistic=140 lim_peers=150
+lim_mosaic_tests=100 lim_probe=120 lim_sweep=240 lim_realistic=140 lim_peers=150 lim_gn=90
 case $plan in
   call-1)
     budget=460
-    stages="mosaic-tests mosaic-probe sweep realistic-sd_unet realistic-gpt2"
-    : "${PROBE_ARGS:=--shapes 32768x1024,16384x4096,4096x16384 --stages 2,8 --calls 10}"
-    : "${SWEEP_CONFIGS:=default,fwd_one_row,fwd_warps64,partials_tile16k,partials_xla}"
-    : "${SWEEP_ROWS:=ln 32768x1024 bfloat16,ln 32768x1024 float32,ln 16384x4096 bfloat16,rms 16384x4096 float32,add_ln 8192x512 bfloat16,add_ln 8192x512 float32}"
-    : "${VARIANTS_sd_unet:=ours,ours_xla,fused,rewrite}"
+    stages="bench-sd-gn sweep realistic-gpt2"
+    : "${SWEEP_CONFIGS:=default,nhwc_whole,nhwc_per_group,nhwc_fwd_64,nhwc_tiles_half,nhwc_tiles_double}"
+    : "${SWEEP_ROWS:=gn_nhwc 8x320x64x64x32 bfloat16,gn_nhwc 8x640x32x32x32 bfloat16,gn_nhwc 8x1280x16x16x32 bfloat16,gn_nhwc 8x320x64x64x32 float32}"
     : "${VARIANTS_gpt2:=dropin,dropin_xla,ours,rewrite}"
-    lim_mosaic_tests=80 lim_probe=75 lim_sweep=55 ;;
+    : "${REALISTIC_DTYPES:=float32}"
+    lim_sweep=150 lim_realistic=240 ;;
   call-2)
-    budget=170
-    stages="wheels realistic-dit_b bench-peers"
-    lim_realistic=90 ;;
+    budget=230
+    stages="realistic-dit_b mosaic-tests"
+    : "${VARIANTS_dit_b:=dropin,dropin_xla,ours}"
+    : "${REALISTIC_DTYPES:=float32}"
+    lim_realistic=130 lim_mosaic_tests=100 ;;
   *)
     budget=$plan
     stages=${*:-install selfcheck bench residual tests} ;;
@@ -214,6 +221,12 @@ for stage in $stages; do
       run "$(cap $lim_peers 5)" bench_peers.log XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 \
         PYTHONPATH="$(srcpath)" python3 benchmarks/bench_gpu.py --only ln,rms --rounds 3 \
         --iters 18 --out "$OUT/bench_peers.json" $(quick --smoke --iters 2 --rounds 1) ;;
+    bench-sd-gn)
+      only=${GN_ONLY:-gn_nhwc 8x320x64x64x32,gn_nhwc 8x640x32x32x32,gn_nhwc 8x1280x16x16x32}
+      [ "$mode" = cpu ] && only=gn_nhwc  # the smoke rows' channels-last GroupNorm
+      run "$(cap $lim_gn 5)" bench_sd_gn.log XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 \
+        PYTHONPATH="$(srcpath)" python3 benchmarks/bench_gpu.py --only "$only" --rounds 3 \
+        --iters 18 --out "$OUT/bench_sd_gn.json" $(quick --smoke --iters 2 --rounds 1) ;;
     residual)
       run "$(cap 110)" bench.log PYTHONPATH="$(srcpath)" python3 benchmarks/bench_gpu.py \
         --residual --out "$OUT/bench_residual.json" $(quick --smoke --iters 1 --rounds 1) ;;
@@ -263,7 +276,7 @@ for stage in $stages; do
       model=${stage#realistic-}
       variants_var=VARIANTS_$model
       models_run "realistic_$model.log" "$(cap $lim_realistic 5)" -- --model "$model" \
-        --dtypes bfloat16,float32 --rounds 6 --iters 24 --trace-calls 2 --top-kernels 25 \
+        --dtypes "${REALISTIC_DTYPES:-bfloat16,float32}" --rounds 6 --iters 24 --trace-calls 2 --top-kernels 25 \
         ${!variants_var:+--variants "${!variants_var}"} ;;
     models|models-graphs)
       # models-graphs: the same under XLA's command buffers (CUDA graphs) for every kind of
@@ -299,7 +312,7 @@ echo "===== summary ($(now) s; stages: $stages)"
 grep -E "NVIDIA H|Driver|^jax |^commit" "$OUT/env.txt" | head -4
 tail -1 "$OUT/install.log" 2>/dev/null
 grep -E "FAIL|rc=|^==|rror" "$OUT/selfcheck.txt" 2>/dev/null | head -30
-for log in bench.log bench_peers.log; do
+for log in bench.log bench_peers.log bench_sd_gn.log; do
   grep -E "^\||rc=|Error|error|^note|^peers" "$OUT/$log" 2>/dev/null | grep -v "^| ---" | head -40
 done
 grep -E "^\||rc=|rror" "$OUT/sweep.log" 2>/dev/null | grep -v "^| ---" | head -12

@@ -57,7 +57,11 @@ ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
         # bench_models' GPU transformer (batch 32 x 256 tokens of 512): the residual form's
         # norm at a model's size, where the partial sums took two launches of about 7 us
         # beside a 26 us backward kernel (H100, 2026-11-27; one launch since).
-        ("add_ln", (8192, 512), jnp.float32), ("add_ln", (8192, 512), jnp.bfloat16)]
+        ("add_ln", (8192, 512), jnp.float32), ("add_ln", (8192, 512), jnp.bfloat16),
+        # The SD-class UNet's channels-last GroupNorms (batch 8, 32 groups of 10, 20 and 40
+        # channels), slower than XLA's in that model's step (H200, 2026-11-28).
+        ("gn_nhwc", (8, 320, 64, 64, 32), jnp.bfloat16), ("gn_nhwc", (8, 640, 32, 32, 32), jnp.bfloat16),
+        ("gn_nhwc", (8, 1280, 16, 16, 32), jnp.bfloat16), ("gn_nhwc", (8, 320, 64, 64, 32), jnp.float32)]
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32),
               ("add_rms+f32", (24, 40), jnp.bfloat16)]
 #: name -> tuning changes (bench_lib.tuning's keys). "default" is the package's own.
@@ -96,6 +100,9 @@ CONFIGS = {
     "nhwc_whole": {"gpu_nhwc_split": False},
     "nhwc_per_group": {"gpu_nhwc_group_bytes": 0, "gpu_nhwc_group_bytes_fwd": 0},
     "nhwc_fwd_64": {"gpu_nhwc_group_bytes_fwd": 64},
+    # The sample-wide kernels' tiles halved and doubled (rows of a sample per program).
+    "nhwc_tiles_half": {"gpu_nhwc_max_tile_fwd": 4096, "gpu_nhwc_max_tile_bwd": 2048},
+    "nhwc_tiles_double": {"gpu_nhwc_max_tile_fwd": 16384, "gpu_nhwc_max_tile_bwd": 8192},
 }
 
 

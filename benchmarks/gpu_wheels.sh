@@ -10,9 +10,12 @@
 # jaxtyping, pyyaml, rich and tqdm installed. Fetched, each pinned and without its dependencies:
 #   Liger-Kernel               bench_gpu.py's Liger columns (needs torch and triton: there)
 #   tokamax                    bench_gpu.py's tokamax column (Python >= 3.12, jax >= 0.11.1)
-#   jax-triton                 tokamax's Triton kernels (an optional dependency of tokamax);
-#                              0.3.1, the one for the machine's Triton 3.6 (0.4.1 imports what
-#                              Triton 3.6 lacks and its calls fail on stubs)
+#   jax-triton                 tokamax's Triton kernels (an optional dependency of tokamax).
+#                              Neither release runs them on the machine's Triton 3.6: 0.4.1
+#                              needs a newer Triton (its calls fail on stand-ins for the missing
+#                              API), and 0.3.1, the one for Triton 3.6, lacks the triton_call
+#                              arguments tokamax 0.0.17 passes; bench_gpu.py then reports the
+#                              error in the tokamax column (H200, 2026-11-28)
 #   einshape, immutabledict, pydantic (+ pydantic-core, annotated-types, typing-inspection),
 #   qwix, xprof (+ fire, termcolor)
 #                              what `import tokamax` imports that the machine lacks (xprof, a

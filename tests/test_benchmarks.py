@@ -729,10 +729,17 @@ def test_gpu_session_plans_name_what_the_scripts_know():
       for variant in value.split(","):
         base, tuning = bm.split_variant(variant)
         assert base in known and set(tuning) <= fields, variant
-  args = settings["PROBE_ARGS"].split()
-  assert set(args[::2]) <= {"--shapes", "--stages", "--calls", "--impls", "--dtype"}
-  assert all(re.fullmatch(r"\d+x\d+", s) for s in args[args.index("--shapes") + 1].split(","))
-  assert all(s.isdigit() for s in args[args.index("--stages") + 1].split(","))
+  if "PROBE_ARGS" in settings:
+    args = settings["PROBE_ARGS"].split()
+    assert set(args[::2]) <= {"--shapes", "--stages", "--calls", "--impls", "--dtype"}
+    assert all(re.fullmatch(r"\d+x\d+", s) for s in args[args.index("--shapes") + 1].split(","))
+    assert all(s.isdigit() for s in args[args.index("--stages") + 1].split(","))
+  if "REALISTIC_DTYPES" in settings:
+    assert set(settings["REALISTIC_DTYPES"].split(",")) <= {"bfloat16", "float32"}
+  gpu = _load_script("bench_gpu.py")
+  names = {f"{k} {'x'.join(map(str, shape))}" for k, shape, _ in gpu.ROWS}
+  gn_only = re.search(r"only=\$\{GN_ONLY:-(.*)\}", text).group(1).split(",")
+  assert set(gn_only) <= names, gn_only  # bench_gpu's --only matches these row names
   bad = subprocess.run(["bash", str(_SESSION), "--dry-run", "60", "nosuch"], capture_output=True,
                        text=True, cwd=_SCRIPT.parent.parent, timeout=60)
   assert bad.returncode == 2 and "unknown stage nosuch" in bad.stdout
