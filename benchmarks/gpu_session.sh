@@ -20,10 +20,11 @@
 # call: its seconds plus about 30-90 s of machine start and transfer; a call made within 30 s
 # of the last finds the machine warm.
 #   call-1   460 s: bench-sd-gn (90) sweep (150: the SD GroupNorm rows, the channels-last
-#            tunings) realistic-gpt2 (float32, what is left, about 215). Device command:
-#            timeout_s 520, no carry.
-#   call-2   230 s: realistic-dit_b (float32, 130) mosaic-tests (what is left, about 95).
-#            Device command: timeout_s 290, no carry.
+#            tunings, gpu_nhwc_odd_groups among them) realistic-sd_unet (the fused form with
+#            and without gpu_nhwc_odd_groups, bfloat16 and float32; what is left, about 215).
+#            Device command: timeout_s 520, no carry.
+#   call-2   230 s: realistic-gpt2 (float32, 120) realistic-dit_b (float32, what is left,
+#            about 105). Device command: timeout_s 290, no carry.
 # Together about 13 minutes of device time with both starts, 12 with call-2 warm.
 #
 # Stages, each with its time limit (the limit or what is left of the seconds, whichever is
@@ -71,7 +72,8 @@
 #   realistic-M    benchmarks/bench_models.py --model M (sd_unet, gpt2, dit_b: the sizes people
 #                  train on one GPU), bfloat16 then float32: flax's layers, the drop-ins with the
 #                  kernel forward and XLA's, the fused form, the norms as identity (VARIANTS_M:
-#                  its --variants; REALISTIC_DTYPES: its --dtypes, default both),
+#                  its --variants; TRACE_VARIANTS_M: its --trace-variants; REALISTIC_DTYPES:
+#                  its --dtypes, default both),
 #                  6 interleaved rounds of 4 steps with no profiler, then one trace per dtype with
 #                  command buffers on (2 calls of each variant, kernels and idle time; the trace
 #                  files in traces/); realistic_M.json / .log, a row saved per dtype. The
@@ -108,18 +110,19 @@ lim_mosaic_tests=100 lim_probe=120 lim_sweep=240 lim_realistic=140 lim_peers=150
 case $plan in
   call-1)
     budget=460
-    stages="bench-sd-gn sweep realistic-gpt2"
-    : "${SWEEP_CONFIGS:=default,nhwc_whole,nhwc_per_group,nhwc_fwd_64,nhwc_tiles_half,nhwc_tiles_double}"
+    stages="bench-sd-gn sweep realistic-sd_unet"
+    : "${SWEEP_CONFIGS:=default,nhwc_odd_groups,nhwc_odd_groups_fwd64,nhwc_whole,nhwc_tiles_half,nhwc_tiles_double}"
     : "${SWEEP_ROWS:=gn_nhwc 8x320x64x64x32 bfloat16,gn_nhwc 8x640x32x32x32 bfloat16,gn_nhwc 8x1280x16x16x32 bfloat16,gn_nhwc 8x320x64x64x32 float32}"
-    : "${VARIANTS_gpt2:=dropin,dropin_xla,ours,rewrite}"
-    : "${REALISTIC_DTYPES:=float32}"
+    : "${VARIANTS_sd_unet:=fused,fused@gpu_nhwc_odd_groups=True,fused@gpu_nhwc_odd_groups=True@gpu_nhwc_group_bytes_fwd=64}"
+    : "${TRACE_VARIANTS_sd_unet:=flax,fused,fused@gpu_nhwc_odd_groups=True,identity}"
     lim_sweep=150 lim_realistic=240 ;;
   call-2)
     budget=230
-    stages="realistic-dit_b mosaic-tests"
+    stages="realistic-gpt2 realistic-dit_b"
+    : "${VARIANTS_gpt2:=dropin,dropin_xla,rewrite}"
     : "${VARIANTS_dit_b:=dropin,dropin_xla,ours}"
     : "${REALISTIC_DTYPES:=float32}"
-    lim_realistic=130 lim_mosaic_tests=100 ;;
+    lim_realistic=120 ;;
   *)
     budget=$plan
     stages=${*:-install selfcheck bench residual tests} ;;
@@ -274,10 +277,11 @@ for stage in $stages; do
       fi ;;
     realistic-*)
       model=${stage#realistic-}
-      variants_var=VARIANTS_$model
+      variants_var=VARIANTS_$model traced_var=TRACE_VARIANTS_$model
       models_run "realistic_$model.log" "$(cap $lim_realistic 5)" -- --model "$model" \
         --dtypes "${REALISTIC_DTYPES:-bfloat16,float32}" --rounds 6 --iters 24 --trace-calls 2 --top-kernels 25 \
-        ${!variants_var:+--variants "${!variants_var}"} ;;
+        ${!variants_var:+--variants "${!variants_var}"} \
+        ${!traced_var:+--trace-variants "${!traced_var}"} ;;
     models|models-graphs)
       # models-graphs: the same under XLA's command buffers (CUDA graphs) for every kind of
       # thunk, the norms' custom calls included: how much of a step's idle time is launches.

@@ -103,6 +103,10 @@ CONFIGS = {
     # The sample-wide kernels' tiles halved and doubled (rows of a sample per program).
     "nhwc_tiles_half": {"gpu_nhwc_max_tile_fwd": 4096, "gpu_nhwc_max_tile_bwd": 2048},
     "nhwc_tiles_double": {"gpu_nhwc_max_tile_fwd": 16384, "gpu_nhwc_max_tile_bwd": 8192},
+    # Groups of a channel count that is not a power of two (10, 20) in the sample-wide kernels;
+    # "_fwd64": the forward's too up to 64 bytes a group, as the backward's.
+    "nhwc_odd_groups": {"gpu_nhwc_odd_groups": True},
+    "nhwc_odd_groups_fwd64": {"gpu_nhwc_odd_groups": True, "gpu_nhwc_group_bytes_fwd": 64},
 }
 
 

@@ -85,6 +85,8 @@ class Case:
   fn: Callable
   args: tuple
   pallas: int = 1
+  #: ``config.override`` settings the case is lowered under, as ``(key, value)`` pairs.
+  tuning: tuple = ()
 
 
 def _s(shape, dtype=F32):
@@ -233,6 +235,15 @@ def _cases() -> list[Case]:
 
 
 CASES: list[Case] = _cases()
+#: The Triton checks' cases: CASES and the tunings that change only the GPU kernels. The SD-class
+#: UNet's channels-last GroupNorms with ``gpu_nhwc_odd_groups`` (groups of 10 and 20 channels
+#: in the sample-wide kernels).
+GPU_CASES: list[Case] = CASES + [
+    dataclasses.replace(case, name=case.name + " odd groups",
+                        tuning=(("gpu_nhwc_odd_groups", True),))
+    for dtype in (F32, BF16)
+    for case in _gn_cases((8, 32, 32, 320), 32, -1, dtype) + _gn_cases((8, 16, 16, 640), 32, -1,
+                                                                        dtype)]
 
 
 @contextlib.contextmanager
@@ -303,7 +314,7 @@ def triton_kernels(case: Case) -> tuple[TritonKernel, ...]:
 
   Cached: JAX caches lowerings, so a second export of the case would not reach the
   Triton lowering that captures the kernels."""
-  with _no_fallback(), _capture_triton() as captured:
+  with _no_fallback(), _capture_triton() as captured, config.override(**dict(case.tuning)):
     text = jax.export.export(
         jax.jit(case.fn), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)])(

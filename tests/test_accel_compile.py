@@ -29,11 +29,11 @@ def test_tools_present_where_required():
 
 
 needs_tools = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
-CASE_IDS = [c.name for c in ac.CASES]
+GPU_CASE_IDS = [c.name for c in ac.GPU_CASES]
 
 
 @needs_tools
-@pytest.mark.parametrize("case", ac.CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", ac.GPU_CASES, ids=GPU_CASE_IDS)
 def test_triton_kernels_compile_without_spills(case):
   kernels = ac.triton_kernels(case)
   for kernel in kernels:
@@ -54,7 +54,7 @@ def test_row_kernels_move_rows_by_128_bit_accesses():
 
 
 @needs_tools
-@pytest.mark.parametrize("case", ac.CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", ac.GPU_CASES, ids=GPU_CASE_IDS)
 def test_persistent_grids_are_resident_at_once(case):
   """The tile heuristics' plan holds: every program of a persistent kernel's grid fits on the
   SMs together (registers and warps allow that many blocks per SM), so none waits for a

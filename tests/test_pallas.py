@@ -309,17 +309,59 @@ def test_channels_last_sample_wide_kernels_split_and_vmapped(rng, parts, activat
     assert_close(dbeta[k], db_ref, F32, n * hw, "dbeta")
 
 
+@pytest.mark.parametrize("c,g,hw,parts,activation", [(60, 6, 50, 1, None), (40, 4, 30, 4, "silu")])
+def test_channels_last_sample_wide_kernels_odd_groups(rng, c, g, hw, parts, activation):
+  """``gpu_nhwc_odd_groups``: groups of 10 channels (not a power of two) in the sample-wide
+  kernels, their columns summed by a 0/1 matrix; C = 60 (6 groups padded to 8, the padding
+  channels 60-63 in a padding group) whole, C = 40 split in parts. y, the statistics and every
+  gradient against the float64 reference."""
+  n = 3
+  x = random(rng, (n, hw, c), F32, 2.0, 0.3)
+  dy = random(rng, x.shape, F32)
+  gamma, beta = random(rng, (c,), F32, offset=1.0), random(rng, (c,), F32)
+  tuning = dict(gpu_nhwc_odd_groups=True, gpu_nhwc_group_bytes=64, gpu_nhwc_group_bytes_fwd=64,
+                gpu_nhwc_max_tile_fwd=256, gpu_nhwc_max_tile_bwd=256,
+                interpret_programs=2 if parts == 1 else parts * n)
+  assert config.gpu_nhwc_plan(hw, c, c // g, 4, backward=True) is None  # off by default
+  layer = lambda x, gm, bt: jn.group_norm(x, g, gm, bt, channel_axis=-1, activation=activation,
+                                          implementation="pallas")
+  with config.override(**tuning):
+    plan = config.gpu_nhwc_plan(hw, c, c // g, 4, backward=True)
+    assert plan.odd_groups == 8 // (1 + (c == 40)) and plan.groups == plan.odd_groups
+    assert config.gpu_nhwc_parts(plan, n, interpret=True) == parts
+    jax.clear_caches()
+    y, pullback = jax.vjp(layer, x, gamma, beta)
+    dx, dgamma, dbeta = pullback(dy)
+  jax.clear_caches()
+  z, mean, rstd = ref.gn_fwd(x, gamma, beta, n, c, hw, g, channels_last=True)
+  dz = ref.f64(dy) * (ref.activation_grad(z, activation) if activation else 1.0)
+  y_ref = ref.activation(z, activation) if activation else z
+  dx_ref, dg_ref, db_ref = ref.gn_bwd(dz, x, mean, rstd, gamma, n, c, hw, g, True)
+  block = c // g * hw
+  assert_close(y, y_ref, F32, block, "y", scale=ref.fwd_scales(x, rstd, gamma)[0])
+  assert_close(dx, dx_ref, F32, block, "dx", scale=ref.dx_scale(dz, rstd, gamma))
+  assert_close(dgamma, dg_ref, F32, n * hw, "dgamma", scale=float(np.abs(dz).max() * 4))
+  assert_close(dbeta, db_ref, F32, n * hw, "dbeta")
+
+
 @pytest.mark.parametrize("shape,kernels", [
     ((32, 32, 32, 64), ("fwd_nhwc_moments", "fwd_nhwc", "bwd_nhwc_sums", "bwd_nhwc")),
     # 8 float32 channels a group: 32 bytes, the per-group forward (gpu_nhwc_group_bytes_fwd).
     ((32, 8, 8, 256), ("fwd", "bwd_nhwc_sums", "bwd_nhwc")),
-    ((4, 16, 16, 320), ("fwd", "bwd"))])  # 10 channels a group: the per-group kernels
+    ((4, 16, 16, 320), ("fwd", "bwd")),  # 10 channels a group: the per-group kernels
+    # ... or with gpu_nhwc_odd_groups, the sample-wide backward (40 bytes a group; the
+    # forward's per-group below gpu_nhwc_group_bytes_fwd).
+    ((4, 16, 16, 320, "odd"), ("fwd", "bwd_nhwc_sums", "bwd_nhwc"))])
 def test_channels_last_kernels_chosen_for_cuda(shape, kernels):
   """A UNet's GroupNorms (32 groups of 2 and 8 channels) lower to the sample-wide kernels, split
-  where the batch alone leaves SMs idle; 10 channels a group to the per-group ones."""
+  where the batch alone leaves SMs idle; 10 channels a group to the per-group ones, unless
+  ``gpu_nhwc_odd_groups``."""
+  odd = shape[-1] == "odd"
+  shape = shape[:4]
   c = shape[-1]
   gn = _grad_of(lambda x, w, b: jn.group_norm(x, 32, w, b, channel_axis=-1))
-  text = _export_text(gn, (_sds(shape, F32), _sds((c,), F32), _sds((c,), F32)), "cuda")
+  with config.override(gpu_nhwc_odd_groups=odd):
+    text = _export_text(gn, (_sds(shape, F32), _sds((c,), F32), _sds((c,), F32)), "cuda")
   names = set(re.findall(r"jax_normgrad_norm_\w+", text))
   assert names == {f"jax_normgrad_norm_{k}" for k in kernels}, names
 

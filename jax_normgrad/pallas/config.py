@@ -107,6 +107,12 @@ class Tuning:
   #: forward's per-group tiles were faster, the backward's slower).
   gpu_nhwc_group_bytes: int = 64
   gpu_nhwc_group_bytes_fwd: int = 32
+  #: The sample-wide kernels also for groups of a channel count that is not a
+  #: power of two (an SD-class UNet's 32 groups of 10 or 20 channels): the
+  #: tile's columns summed per group by a 0/1 matrix instead of a reshape.
+  #: Off until timed on a GPU against the per-group tiles those groups run
+  #: (benchmarks/gpu_session.sh's sweep, configuration ``nhwc_odd_groups``).
+  gpu_nhwc_odd_groups: bool = False
   #: Largest tile (elements) of the sample-wide channels-last kernels: the
   #: forward keeps about three float32 values per element, the backward five
   #: (x, dy, dx and the two tile-shaped parameter sums).
@@ -432,6 +438,10 @@ class GpuNhwcPlan:
   chunks: int
   num_warps: int
   backward: bool
+  #: Groups of a statistics vector where ``cg`` is not a power of two (the
+  #: sample's groups, padded to a power of two); 0 where the tile is viewed as
+  #: ``(rows, cols // cg, cg)``.
+  odd_groups: int = 0
 
   @property
   def fused(self) -> bool:
@@ -440,7 +450,7 @@ class GpuNhwcPlan:
   @property
   def groups(self) -> int:
     """Groups in a tile row, padding included."""
-    return self.cols // self.cg
+    return self.odd_groups or self.cols // self.cg
 
 
 def gpu_nhwc_plan(hw: int, c: int, cg: int, itemsize: int, *,
@@ -449,22 +459,31 @@ def gpu_nhwc_plan(hw: int, c: int, cg: int, itemsize: int, *,
 
   Those run where a group's channels span ``gpu_nhwc_group_bytes`` (forward:
   ``gpu_nhwc_group_bytes_fwd``) or more (whole sectors already), where ``cg``
-  is not a power of two (the tile could not be viewed as groups), with one
-  group (the segment is the sample), and where a row of all channels exceeds
-  the tile.
+  is not a power of two (the tile could not be viewed as groups) unless
+  ``gpu_nhwc_odd_groups`` and the ``(cols, groups)`` 0/1 matrix that sums the
+  groups holds at most ``_ODD_GROUPS_ELEMS`` elements, with one group (the
+  segment is the sample), and where a row of all channels exceeds the tile.
   """
   t = current()
   limit = t.gpu_nhwc_max_tile_bwd if backward else t.gpu_nhwc_max_tile_fwd
   group_bytes = t.gpu_nhwc_group_bytes if backward else t.gpu_nhwc_group_bytes_fwd
   cols = _pow2(c)
-  if cg == c or cg & (cg - 1) or cg * itemsize >= group_bytes or cols > limit:
+  odd_groups = _pow2(c // cg) if cg & (cg - 1) else 0
+  if (cg == c or cg * itemsize >= group_bytes or cols > limit or odd_groups and (
+      not t.gpu_nhwc_odd_groups or cols * odd_groups > _ODD_GROUPS_ELEMS)):
     return None
   rows = min(_pow2(hw), limit // cols)
   per_thread = max((t.gpu_bwd_bytes_per_thread if backward else t.gpu_fwd_bytes_per_thread)
                    // itemsize, 1)
   num_warps = min(max(rows * cols // (32 * per_thread), 1), t.gpu_max_warps_bwd)
   return GpuNhwcPlan(rows=rows, cols=cols, cg=cg, chunks=cdiv(hw, rows), num_warps=num_warps,
-                     backward=backward)
+                     backward=backward, odd_groups=odd_groups)
+
+
+#: Largest ``(cols, groups)`` 0/1 matrix of the sample-wide kernels' odd groups (float32
+#: elements in registers while a tile's sums are spread over the groups): 1024 channels in 32
+#: groups.
+_ODD_GROUPS_ELEMS = 32 * 1024
 
 
 def gpu_nhwc_parts(plan: GpuNhwcPlan, samples: int, *, interpret: bool) -> int:
@@ -485,6 +504,11 @@ def gpu_programs(plan: GpuPlan, *, interpret: bool) -> int:
     return interpret_programs()
   sms = device().sms
   warps = t.gpu_warps_per_sm if plan.backward else t.gpu_warps_per_sm_fwd
+  if getattr(plan, "odd_groups", 0):
+    # The odd groups' 0/1 matrices take registers (at 16 warps on sm_80 and sm_90, cuobjdump:
+    # the backward's kernels 94-128 a thread, the forward's moments kernel 68, where 64 let two
+    # programs share an SM): one such program per SM holds at once, not two.
+    warps //= 2
   return sms * max(warps // plan.num_warps, 1)
 
 

@@ -533,12 +533,24 @@ class _NhwcLaunch:
   def group_sum(self, tile):
     """``(rows, cols)`` -> ``(groups,)``: each group's sum over its pixels and channels."""
     p = self.plan
+    if p.odd_groups:  # the column sums, then each group's columns picked out by a 0/1 matrix
+      return jnp.sum(jnp.sum(tile, axis=0)[:, None] * self._members(), axis=0)
     return jnp.sum(tile.reshape(p.rows, p.groups, p.cg), axis=(0, 2))
 
   def spread(self, v):
     """``(groups,)`` -> ``(1, cols)``: each group's value on each of its channels."""
     p = self.plan
+    if p.odd_groups:
+      return jnp.sum(self._members() * v[None, :], axis=1).reshape(1, p.cols)
     return jnp.broadcast_to(v[:, None], (p.groups, p.cg)).reshape(1, p.cols)
+
+  def _members(self):
+    """``(cols, groups)`` float32: 1 where the channel is one of the group's (odd groups: ``cg``
+    not a power of two); padding channels fall in a padding group or in none."""
+    p = self.plan
+    channel = lax.broadcasted_iota(jnp.int32, (p.cols, p.groups), 0)
+    group = lax.broadcasted_iota(jnp.int32, (p.cols, p.groups), 1)
+    return jnp.where(lax.div(channel, p.cg) == group, 1.0, 0.0).astype(F32)
 
   def groups(self):
     """The statistics' group indices and mask."""
