@@ -20,7 +20,8 @@ name            what                                        runs on
 The rule. ``implementation=None`` walks the platform's preference list
 (:func:`preferences`): cpu ``ffi, xla``; cuda ``triton, mosaic_gpu, xla``
 (``JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu``: ``mosaic_gpu, triton, xla``); rocm
-``triton, xla``; tpu ``mosaic_tpu, xla``. The first that can run the problem
+``triton, xla`` (``JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu``: ``mosaic_gpu, triton, xla``, the
+Mosaic GPU kernels passed over there with a warning); tpu ``mosaic_tpu, xla``. The first that can run the problem
 runs it; where that is not the first, one ``FallbackWarning`` (once per
 message) names each one passed over and why. ``"pallas"`` is the same list
 without the CPU kernels (on the CPU: the Triton kernels, interpreted). Any
@@ -47,7 +48,7 @@ import jaxlib
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_normgrad import _compat, _settings
+from jax_normgrad import _compat, _ffi, _settings
 from jax_normgrad._fallback import warn_once
 from jax_normgrad.pallas import config, gpu_target, kernels
 
@@ -102,6 +103,15 @@ class Implementation:
     return "run" if self.title.endswith("kernels") else "runs"
 
 
+class _Ffi(Implementation):
+
+  def _cannot_run_here(self, request):
+    del request
+    if not _ffi.available():
+      return f"jax_normgrad's C++ extension failed to import: {_ffi.import_error()}"
+    return None
+
+
 class _Triton(Implementation):
 
   def _cannot_run_here(self, request):
@@ -138,7 +148,7 @@ class _MosaicTpu(Implementation):
     return None
 
 
-FFI = Implementation("ffi", "the C++ kernels", ("cpu",))
+FFI = _Ffi("ffi", "the C++ kernels", ("cpu",))
 TRITON = _Triton("triton", "the Triton kernels", ("cuda", "rocm"), interpreted=True)
 MOSAIC_GPU = _MosaicGpu("mosaic_gpu", "the Mosaic GPU kernels", ("cuda",), interpreted=True)
 MOSAIC_TPU = _MosaicTpu("mosaic_tpu", "the TPU kernels", ("tpu",), interpreted=True)

@@ -12,7 +12,8 @@ import warnings
 
 
 class FallbackWarning(UserWarning):
-  """Emitted once per (op, platform) when the default kernel is unavailable."""
+  """Emitted when the default kernel cannot run a problem and another implementation runs it,
+  once per message (``warn_once``): the message names the op, the platform and why."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -56,6 +56,11 @@ def available() -> bool:
   return _ext is not None
 
 
+def import_error() -> ImportError | None:
+  """Why the extension did not import (None where it did)."""
+  return _IMPORT_ERROR
+
+
 def isa() -> str | None:
   """The instruction set of the registered CPU kernels: "avx512bf16", "avx2" or "generic".
 

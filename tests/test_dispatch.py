@@ -114,6 +114,25 @@ def test_one_warning_names_every_implementation_passed_over(monkeypatch):
     _choose("triton", "cuda")
 
 
+def test_a_cpu_without_the_extension_falls_back_to_the_reference(monkeypatch):
+  """Where the C++ extension did not import, the FFI implementation says so to ``choose`` and
+  ``explain`` (instead of being chosen and failing at lowering); the default runs the reference
+  with one warning, and ``implementation="ffi"`` raises, naming the import error."""
+  from jax_normgrad import _ffi  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_ffi, "available", lambda: False)
+  monkeypatch.setattr(_ffi, "import_error", lambda: ImportError("no _jax_normgrad here"))
+  choice = _choose(None, "cpu")
+  assert choice.implementation == "xla" and [n for n, _ in choice.skipped] == ["ffi"]
+  assert ("the C++ kernels cannot run it: jax_normgrad's C++ extension failed to import: no "
+          "_jax_normgrad here. The pure-JAX reference ('xla') runs it instead.") in choice.warning
+  with pytest.raises(ValueError, match="implementation='ffi' cannot run on cpu: jax_normgrad's "
+                     "C\\+\\+ extension failed to import"):
+    _choose("ffi", "cpu")
+  x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  (explained,) = jn.explain(lambda x: jn.layer_norm_fwd(x, (8,)), x, platform="cpu")
+  assert explained.choice.implementation == "xla"
+
+
 @needs_mosaic_gpu
 def test_the_environments_gpu_backend_falls_back_to_triton(_default_settings):
   _default_settings(_settings.GPU_BACKEND_ENV, "mosaic_gpu")

@@ -20,6 +20,7 @@ import functools
 import re
 import threading
 import warnings
+from typing import Callable
 
 import jax.numpy as jnp
 from jax import lax
