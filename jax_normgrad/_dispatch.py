@@ -98,6 +98,13 @@ class Implementation:
     del request
     return None
 
+  def describe(self, request: Request) -> kernels.KernelPlan | str | None:
+    """The kernels it runs for ``request`` and their plan, for :func:`explain` (None: not told)."""
+    problem = request.problem() if self.name in kernels.BACKENDS else None
+    if problem is None:
+      return None
+    return kernels.describe(problem, self.name, interpret=request.platform == "cpu")
+
   @property
   def verb(self) -> str:
     return "run" if self.title.endswith("kernels") else "runs"
@@ -110,6 +117,10 @@ class _Ffi(Implementation):
     if not _ffi.available():
       return f"jax_normgrad's C++ extension failed to import: {_ffi.import_error()}"
     return None
+
+  def describe(self, request):
+    del request
+    return f"the {_ffi.isa()} build of the C++ kernels" if _ffi.available() else None
 
 
 class _Triton(Implementation):
@@ -422,12 +433,17 @@ class Explained:
   operands: tuple[str, ...]
   where: str
   choice: Choice
+  #: The chosen implementation's kernels and plan (``Implementation.describe``: a
+  #: ``kernels.KernelPlan`` for the Triton kernels, the build for the C++ ones; None where it
+  #: does not tell them: the reference, the Mosaic kernels).
+  plan: kernels.KernelPlan | str | None = None
 
   def __str__(self) -> str:
     c = self.choice
     skipped = "".join(f"\n    passed over {n}: {r}" for n, r in c.skipped)
+    plan = f"\n    kernels: {self.plan}" if self.plan else ""
     return (f"{self.op}({', '.join(self.operands)}) at {self.where}\n"
-            f"    runs {c.implementation}: {c.why}{skipped}")
+            f"    runs {c.implementation}: {c.why}{skipped}{plan}")
 
 
 class Explanation(list):
@@ -465,11 +481,14 @@ def explain(fun: Callable, *args, platform: str | None = None, **kwargs) -> Expl
     implementation = params.pop("implementation")
     forward = params.pop("forward", "kernel")
     avals = [v.aval for v in eqn.invars]
+    problem = _problem_of(lowerings, avals, params)
     with config.lowering(params.pop("tuning", ()), platform):
       choice = choose(eqn.primitive.name, implementation, platform, forward=forward,
-                      problem=_problem_of(lowerings, avals, params))
+                      problem=problem)
+      plan = IMPLEMENTATIONS[choice.implementation].describe(
+          Request(eqn.primitive.name, platform, problem))
     operands = tuple(f"{a.dtype}{list(a.shape)}" for a in avals)
-    found.append(Explained(eqn.primitive.name, operands, where, choice))
+    found.append(Explained(eqn.primitive.name, operands, where, choice, plan))
   return found
 
 

@@ -25,9 +25,10 @@ def group_norm_bwd_problem(*args, operands, group, channels_last, activation, ou
                            param_groups, **unused) -> kernels.Problem:
   """The kernels' problem of ``group_norm_bwd`` with these operands (shapes and dtypes)."""
   del unused
-  x = unpack(GroupNormBwd, args, operands).x
-  return kernels.backward_problem(_groups(x, group, channels_last, param_groups, activation),
-                                  x.dtype, tuple(output_mask), size=x.size)
+  o = unpack(GroupNormBwd, args, operands)
+  return kernels.backward_problem(_groups(o.x, group, channels_last, param_groups, activation),
+                                  o.x.dtype, tuple(output_mask), size=o.x.size,
+                                  dy_dtype=o.dy.dtype)
 
 
 def group_norm_fwd(*args, operands, eps, group, channels_last, param_groups, y_dtype, activation,

@@ -48,6 +48,37 @@ class Problem:
   backward: bool
   extra_bytes: int = 0
   empty: bool = False
+  #: A backward's: the outputs asked for (dx, dweight, dbias), dx written a second time in dy's
+  #: dtype, and the bytes of dy's elements where they differ from x's.
+  mask: tuple[bool, bool, bool] = (True, True, True)
+  dx_dy: bool = False
+  dy_itemsize: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+  """Which kernels a lowering runs for a :class:`Problem` (``describe``), for ``explain``.
+
+  ``variant``: the kernels' form (e.g. "fused rows", "sample-wide channels-last");
+  ``kernels``: the names the kernels have in the lowered module, in launch order;
+  ``detail``: the plan (tiles, warps, programs).
+  """
+
+  variant: str
+  kernels: tuple[str, ...]
+  detail: str
+
+  def __str__(self) -> str:
+    return f"{self.variant}: {', '.join(self.kernels)} ({self.detail})"
+
+
+def describe(problem: Problem, backend: str, *, interpret: bool) -> KernelPlan | None:
+  """The :class:`KernelPlan` of ``problem`` on ``backend`` (None where the backend's kernels do
+  not describe their plans yet, and for an empty problem, which runs no kernel)."""
+  if problem.empty or backend != "triton":
+    return None
+  gpu, _ = _backends()
+  return gpu.describe(problem, interpret=interpret)
 
 
 def _y_plan(x_dtype, y_dtype):
@@ -74,11 +105,14 @@ def forward_problem(seg: Segments, x_dtype, *, size: int, y_dtype=None, residual
   return Problem(seg, x_dtype.itemsize, False, extra, empty=size == 0)
 
 
-def backward_problem(seg: Segments, x_dtype, mask, *, size: int, dh_dtype=None) -> Problem:
+def backward_problem(seg: Segments, x_dtype, mask, *, size: int, dh_dtype=None, dy_dtype=None,
+                     dx_dy: bool = False) -> Problem:
   """The :class:`Problem` of ``backward`` with these operands (``size``: x's elements)."""
   extra = 0 if dh_dtype is None else jnp.dtype(dh_dtype).itemsize
+  dy_itemsize = 0 if dy_dtype is None else jnp.dtype(dy_dtype).itemsize
   return Problem(seg, jnp.dtype(x_dtype).itemsize, True, extra,
-                 empty=size == 0 or not any(mask))
+                 empty=size == 0 or not any(mask), mask=tuple(bool(m) for m in mask),
+                 dx_dy=dx_dy, dy_itemsize=dy_itemsize)
 
 
 #: The start of jax's DeprecationWarning at each lowering of a Pallas Triton kernel

@@ -39,15 +39,17 @@ def layer_norm_fwd_problem(*args, operands, centered, param_groups, y_dtype, h_d
 
 
 def layer_norm_bwd_problem(*args, operands, centered, output_mask, param_groups, normalized,
-                           **unused) -> kernels.Problem:
+                           write_dx_dy=False, **unused) -> kernels.Problem:
   """The kernels' problem of ``layer_norm_bwd`` with these operands (shapes and dtypes)."""
   del unused
   o = unpack(NormBwd, args, operands)
   mask = _mask(output_mask)
   dh_dtype = o.dh.dtype if o.dh is not None and not normalized else None
-  return kernels.backward_problem(_rows(o.x, centered, param_groups),
-                                  _kernel_x_dtype(o.x.dtype, normalized, mask), mask,
-                                  size=o.x.size, dh_dtype=dh_dtype)
+  x_dtype = _kernel_x_dtype(o.x.dtype, normalized, mask)
+  dy_dtype = x_dtype if x_dtype != o.x.dtype else o.dy.dtype  # widened together
+  return kernels.backward_problem(_rows(o.x, centered, param_groups), x_dtype, mask,
+                                  size=o.x.size, dh_dtype=dh_dtype, dy_dtype=dy_dtype,
+                                  dx_dy=write_dx_dy and not normalized)
 
 
 def _xhat(x, mean, rstd):
