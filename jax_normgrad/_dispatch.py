@@ -434,8 +434,8 @@ class Explained:
   where: str
   choice: Choice
   #: The chosen implementation's kernels and plan (``Implementation.describe``: a
-  #: ``kernels.KernelPlan`` for the Triton kernels, the build for the C++ ones; None where it
-  #: does not tell them: the reference, the Mosaic kernels).
+  #: ``kernels.KernelPlan`` for the Triton and TPU kernels, the build for the C++ ones; None
+  #: where it does not tell them: the reference, the Mosaic GPU kernels).
   plan: kernels.KernelPlan | str | None = None
 
   def __str__(self) -> str:

@@ -392,25 +392,27 @@ EXPLAIN_CASES = {  # name: (function of (x, w, b), x's shape and dtype, tuning)
 }
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("name", list(EXPLAIN_CASES))
-def test_explain_names_the_kernels_of_the_lowered_module(name):
-  """``jn.explain`` on cuda names, for each op, the Triton kernels and their plan; together they
-  are the kernels of the module the function lowers to (no more, no fewer)."""
+def test_explain_names_the_kernels_of_the_lowered_module(name, platform):
+  """``jn.explain`` on cuda and tpu names, for each op, the kernels and their plan; together
+  they are the kernels of the module the function lowers to (no more, no fewer)."""
   fn, shape, dtype, tuning = EXPLAIN_CASES[name]
   c = shape[-1] if "NHWC" in name or "group" not in name else shape[1]
   args = (_sds(shape, dtype), _sds((c,), F32), _sds((c,), F32))
-  gpu = cases.abstract_gpu() if cases.TRITON_LOWERING_NEEDS_GPU_KIND else contextlib.nullcontext()
+  gpu = (cases.abstract_gpu() if platform == "cuda" and cases.TRITON_LOWERING_NEEDS_GPU_KIND
+         else contextlib.nullcontext())
   with config.override(**tuning):
     with gpu:
-      explained = jn.explain(fn, *args, platform="cuda")
-    text = _export_text(fn, args, "cuda")
+      explained = jn.explain(fn, *args, platform=platform)
+    text = _export_text(fn, args, platform)
   told = set()
   for e in explained:
     if e.choice.implementation == "xla":
       assert e.plan is None, e
       continue
-    assert e.choice.implementation == "triton" and e.plan.kernels, e
-    assert str(e.plan) in str(e) and e.plan.detail
+    assert e.choice.implementation == {"cuda": "triton", "tpu": "mosaic_tpu"}[platform], e
+    assert e.plan.kernels and e.plan.detail and str(e.plan) in str(e), e
     told |= set(e.plan.kernels)
   assert told == set(re.findall(r"jax_normgrad_(?:norm|sum)_\w+", text)), str(explained)
 

@@ -22,6 +22,11 @@ from jax_normgrad import _activations, _compat
 F32 = jnp.float32
 
 
+#: How ``explain`` names each ``Segments`` kind.
+KINDS = {"rows": "rows", "channels_first": "channels-first groups",
+         "channels_last": "channels-last groups"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Segments:
   """Static description of one normalization problem.

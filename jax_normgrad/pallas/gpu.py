@@ -490,15 +490,11 @@ def describe(problem: kernels.Problem, *, interpret: bool) -> kernels.KernelPlan
     names = (("bwd_stats",) if mask[0] and not plan.fused else ()) + ("bwd",) + sums
   else:
     names = ("fwd",)
-  variant = ("fused " if plan.fused else "chunked ") + _KINDS[seg.kind]
+  variant = ("fused " if plan.fused else "chunked ") + common.KINDS[seg.kind]
   tiles = plan.chunks[0] * plan.chunks[1]
   detail = (f"tile {plan.tile[0]}x{plan.tile[1]}, {tiles} tile{'s' * (tiles > 1)} a segment, "
             f"{plan.num_warps} warps, {launch.grid[0]} programs")
   return kernels.KernelPlan(variant, _named(names), detail)
-
-
-_KINDS = {"rows": "rows", "channels_first": "channels-first groups",
-          "channels_last": "channels-last groups"}
 
 
 def _named(names):

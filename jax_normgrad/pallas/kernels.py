@@ -48,11 +48,17 @@ class Problem:
   backward: bool
   extra_bytes: int = 0
   empty: bool = False
-  #: A backward's: the outputs asked for (dx, dweight, dbias), dx written a second time in dy's
-  #: dtype, and the bytes of dy's elements where they differ from x's.
+  #: x's dtype as the kernels are handed it (the name), and a backward's dy's.
+  dtype: str = "float32"
+  dy_dtype: str = "float32"
+  #: A backward's: the outputs asked for (dx, dweight, dbias) and dx written a second time in
+  #: dy's dtype.
   mask: tuple[bool, bool, bool] = (True, True, True)
   dx_dy: bool = False
-  dy_itemsize: int = 0
+
+  @property
+  def dy_itemsize(self) -> int:
+    return jnp.dtype(self.dy_dtype).itemsize if self.backward else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +81,10 @@ class KernelPlan:
 def describe(problem: Problem, backend: str, *, interpret: bool) -> KernelPlan | None:
   """The :class:`KernelPlan` of ``problem`` on ``backend`` (None where the backend's kernels do
   not describe their plans yet, and for an empty problem, which runs no kernel)."""
-  if problem.empty or backend != "triton":
+  if problem.empty or backend == "mosaic_gpu":
     return None
-  gpu, _ = _backends()
-  return gpu.describe(problem, interpret=interpret)
+  gpu, tpu = _backends()
+  return (tpu if backend == "mosaic_tpu" else gpu).describe(problem, interpret=interpret)
 
 
 def _y_plan(x_dtype, y_dtype):
@@ -102,17 +108,18 @@ def forward_problem(seg: Segments, x_dtype, *, size: int, y_dtype=None, residual
   extra = 0
   if residual_dtype is not None:
     extra = jnp.dtype(residual_dtype).itemsize + jnp.dtype(h_dtype or x_dtype).itemsize
-  return Problem(seg, x_dtype.itemsize, False, extra, empty=size == 0)
+  return Problem(seg, x_dtype.itemsize, False, extra, empty=size == 0, dtype=x_dtype.name)
 
 
 def backward_problem(seg: Segments, x_dtype, mask, *, size: int, dh_dtype=None, dy_dtype=None,
                      dx_dy: bool = False) -> Problem:
   """The :class:`Problem` of ``backward`` with these operands (``size``: x's elements)."""
   extra = 0 if dh_dtype is None else jnp.dtype(dh_dtype).itemsize
-  dy_itemsize = 0 if dy_dtype is None else jnp.dtype(dy_dtype).itemsize
-  return Problem(seg, jnp.dtype(x_dtype).itemsize, True, extra,
-                 empty=size == 0 or not any(mask), mask=tuple(bool(m) for m in mask),
-                 dx_dy=dx_dy, dy_itemsize=dy_itemsize)
+  x_dtype = jnp.dtype(x_dtype)
+  return Problem(seg, x_dtype.itemsize, True, extra,
+                 empty=size == 0 or not any(mask), dtype=x_dtype.name,
+                 dy_dtype=jnp.dtype(dy_dtype or x_dtype).name,
+                 mask=tuple(bool(m) for m in mask), dx_dy=dx_dy)
 
 
 #: The start of jax's DeprecationWarning at each lowering of a Pallas Triton kernel

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_normgrad.pallas import common, config
+from jax_normgrad.pallas import common, config, kernels
 
 F32 = jnp.float32
 _PARALLEL = ("w", "g", "p")
@@ -490,6 +490,28 @@ def _normalize_kernel(*refs, ids, lay: _Layout, has_weight: bool, has_bias: bool
 
 def _compute_dtype(x):
   return F32 if x.dtype == jnp.float16 else x.dtype
+
+
+def describe(problem: kernels.Problem, *, interpret) -> kernels.KernelPlan:
+  """The kernels ``forward`` / ``backward`` launch for ``problem``, and their plan (``explain``):
+  the layout's blocks, fused (a segment in one block) or chunked (the forward's moments then
+  apply kernels; the backward's statistics kernel first where dx is asked for)."""
+  del interpret
+  seg, mask = problem.seg, problem.mask
+  itemsize = lambda name: _compute_dtype(jnp.zeros((), name)).itemsize
+  if problem.backward:
+    lay = _LAYOUTS[seg.kind](seg, min(itemsize(problem.dtype), itemsize(problem.dy_dtype)))
+    names = (("bwd_stats",) if mask[0] and not lay.fused else ()) + ("bwd",)
+  else:
+    lay = _LAYOUTS[seg.kind](seg, itemsize(problem.dtype))
+    names = ("fwd",) if lay.fused else ("fwd_moments", "fwd_apply")
+  block = "x".join(str(d) for d in lay.data_block if d is not None)
+  order = lay.main_order if problem.backward else lay.stats_order
+  grid = "x".join(str(d) for d in lay.grid(order))
+  return kernels.KernelPlan(("fused " if lay.fused else "chunked ") + common.KINDS[seg.kind],
+                            tuple(f"jax_normgrad_norm_{n}" for n in names),
+                            f"blocks of {block}, grid {grid}")
+
 
 
 def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=None,
