@@ -1,0 +1,129 @@
+"""jax_normgrad.rewrite never changes what a function computes: values, derivatives and effects.
+
+Custom derivative rules stay the user's, a fused activation keeps the code's
+derivative (ties included), NNX state and effects change as in the plain code,
+and the failures a user cannot act on are clear errors naming the function.
+Each check compares the rewritten function with the plain one: values and
+gradients under a random cotangent, state step by step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_normgrad as jn
+import rewrite_corpus as rc
+
+F32 = jnp.float32
+
+
+def _close(got, want, rtol=1e-4):
+  """Each pair of leaves within ``rtol`` of the largest value of the expected tree."""
+  scale = max([1.0] + [float(np.abs(np.asarray(a, np.float32)).max()) for a in jax.tree.leaves(want)])
+  for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=0,
+                               atol=rtol * scale)
+
+
+def _value_and_grads(f, args, ct):
+  """``f(*args)`` and the gradient of ``sum(f(*args) * ct)`` with respect to every argument."""
+  loss = lambda *a: jnp.sum(f(*a).astype(F32) * ct)
+  return jax.jit(lambda *a: (f(*a), jax.grad(loss, tuple(range(len(a))))(*a)))(*args)
+
+
+def _same_as_plain(f, args, ct):
+  _close(_value_and_grads(jn.rewrite(f), args, ct), _value_and_grads(f, args, ct))
+
+
+# ----------------------------------------------------------------------------
+# Custom derivative rules.
+
+
+def _ln(x):
+  m = x.mean(-1, keepdims=True)
+  return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + rc.EPS)
+
+
+@jax.custom_jvp
+def straight_through_ln(x):
+  """A LayerNorm whose derivative is the identity."""
+  return _ln(x)
+
+
+@straight_through_ln.defjvp
+def _straight_through_jvp(primals, tangents):
+  return straight_through_ln(*primals), tangents[0]
+
+
+@jax.custom_vjp
+def doubled_grad_ln(x):
+  """A LayerNorm whose backward is twice the cotangent."""
+  return _ln(x)
+
+
+doubled_grad_ln.defvjp(lambda x: (doubled_grad_ln(x), None), lambda _, g: (2.0 * g,))
+
+
+@pytest.mark.parametrize("norm", [straight_through_ln, doubled_grad_ln])
+def test_custom_rules_are_kept(norm):
+  """The norm inside is rewritten in the primal only; the user's rule still differentiates it."""
+  x, w, b, ct = rc.inputs(False, F32)
+  f = lambda x, w, b: jnp.tanh(norm(x) * w + b)
+  _same_as_plain(f, (x, w, b), ct)
+  (m,) = jn.explain_rewrite(f, x, w, b).matches
+  assert m.op == "layer_norm" and "custom_" in m.where, m
+
+
+# ----------------------------------------------------------------------------
+# Fused activations: the code's derivative, ties included.
+
+
+def _gn(x, w, b):
+  n, h, wd, c = x.shape
+  xg = x.reshape(n, h, wd, 8, c // 8)
+  m = xg.mean((1, 2, 4), keepdims=True)
+  v = xg.var((1, 2, 4), keepdims=True)
+  return ((xg - m) * jax.lax.rsqrt(v + rc.EPS)).reshape(x.shape) * w + b
+
+
+#: name -> (activation code, the op's activation it is fused as; None: left as written).
+ACTIVATION_FORMS = {
+    "maximum": (lambda y: jnp.maximum(y, 0.0), None),  # derivative 0.5 at 0
+    "maximum_zero_first": (lambda y: jnp.maximum(0.0, y), None),
+    "where_ge": (lambda y: jnp.where(y >= 0, y, 0.0), None),  # derivative 1 at 0
+    "nn_relu": (jax.nn.relu, "relu"),  # a custom_jvp: derivative 0 at 0, as the op's
+    "mul_gt": (lambda y: y * (y > 0), "relu"),
+    "nn_silu": (jax.nn.silu, "silu"),
+    "sigmoid_form": (lambda y: y * jax.nn.sigmoid(y), "silu"),
+    "nn_gelu_tanh": (jax.nn.gelu, "gelu"),
+    "nn_gelu_erf": (lambda y: jax.nn.gelu(y, approximate=False), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATION_FORMS))
+def test_fused_activation_keeps_the_codes_derivative(name):
+  """A GroupNorm's activation at a constant sample (its y exactly 0, a tie of max and where)."""
+  act, fused = ACTIVATION_FORMS[name]
+  x, w, b, ct = rc.inputs(True, F32)
+  x, b = x.at[0].set(0.0), jnp.zeros_like(b)
+  f = lambda x, w, b: act(_gn(x, w, b))
+  _same_as_plain(f, (x, w, b), ct)
+  (m,) = jn.explain_rewrite(f, x, w, b).matches
+  assert (m.op, m.activation) == ("group_norm", fused), m
+  if name.startswith("maximum"):
+    assert "derivative at 0 is 0.5, the op's 0" in m.note and m.note in m.line()
+
+
+# ----------------------------------------------------------------------------
+# Errors and outputs.
+
+
+def test_jitted_helper_returning_a_python_constant():
+  x, w, b, ct = rc.inputs(False, F32)
+  f = lambda x, w, b: jax.jit(lambda x: (rc.ln_two_pass(x, w, b), 1.0))(x)
+  y, c = jn.rewrite(f)(x, w, b)
+  _close(y, rc.ln_two_pass(x, w, b))
+  assert float(c) == 1.0
