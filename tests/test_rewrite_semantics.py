@@ -127,3 +127,106 @@ def test_jitted_helper_returning_a_python_constant():
   y, c = jn.rewrite(f)(x, w, b)
   _close(y, rc.ln_two_pass(x, w, b))
   assert float(c) == 1.0
+
+
+def test_non_array_outputs_pass_through_and_jitted_functions_are_refused():
+  x, w, b, ct = rc.inputs(False, F32)
+
+  def f(x, w, b):
+    return {"y": rc.ln_two_pass(x, w, b), "name": "ln", "act": jax.nn.relu, "n": 3}
+
+  got = jn.rewrite(f)(x, w, b)
+  assert (got["name"], got["act"], got["n"]) == ("ln", jax.nn.relu, 3)
+  _close(got["y"], f(x, w, b)["y"])
+  assert jax.jit(jn.rewrite(lambda *a: f(*a)["y"])).lower(x, w, b) is not None
+
+  def loss(x):
+    return jnp.sum(rc.ln_two_pass(x, w, b) * ct)
+
+  with pytest.raises(TypeError, match=r"loss .*test_rewrite_semantics.py.* is already jitted"):
+    jn.rewrite(jax.jit(loss))
+  # jax's errors name the user's function and its arguments, not the rewrite's internals.
+
+  def branchy(x):
+    return x * 2 if jnp.sum(x) > 0 else x
+
+  with pytest.raises(jax.errors.ConcretizationTypeError, match="function branchy at .*argument x"):
+    jn.rewrite(branchy)(x)
+
+
+def test_traced_eps_is_named_in_the_report():
+  x, w, b, _ = rc.inputs(False, F32)
+
+  def f(x, w, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w
+
+  report = jn.explain_rewrite(f, x, w, jnp.float32(1e-5))
+  assert not report.matches
+  (miss,) = report.near_misses
+  assert miss.reason.startswith("eps is a traced value") and "static" in miss.reason, miss
+  assert jn.explain_rewrite(f, x, w, 1e-5).counts() == {"rms_norm": 1}
+
+
+# ----------------------------------------------------------------------------
+# flax NNX: state and effects change exactly as in the plain code.
+
+
+def _nnx_training(wrap_loss, wrap_step, jit, steps=3):
+  """Losses and the model's and optimizer's state after each step of a Dropout + BatchNorm model."""
+  nnx = pytest.importorskip("flax.nnx")
+  optax = pytest.importorskip("optax")
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(8, 16, rngs=rngs)
+      self.bn = nnx.BatchNorm(16, rngs=rngs)
+      self.ln = nnx.LayerNorm(16, rngs=rngs)
+      self.drop = nnx.Dropout(0.3, rngs=rngs)
+      self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(self.drop(self.ln(self.bn(self.lin(x)))))
+
+  def loss_fn(model, x, t):
+    return jnp.mean((model(x) - t) ** 2)
+
+  def train_step(model, opt, x, t):
+    loss, grads = nnx.value_and_grad(wrap_loss(loss_fn))(model, x, t)
+    opt.update(model, grads)
+    return loss
+
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((6, 8)), F32)
+  t = jnp.asarray(rng.standard_normal((6, 4)), F32)
+  model = Model(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  step = wrap_step(train_step)
+  step = nnx.jit(step) if jit else step
+  history = []
+  for _ in range(steps):
+    loss = step(model, opt, x, t)
+    history.append((loss, [np.asarray(a) if not jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+                           else np.asarray(jax.random.key_data(a))
+                           for a in jax.tree.leaves(nnx.state((model, opt)))]))
+  return history
+
+
+@pytest.mark.parametrize("where", ["loss_in_jit", "step_in_jit", "step_eager"])
+def test_nnx_state_changes_as_in_plain_code(where):
+  """Dropout's RNG count, BatchNorm's running statistics, the parameters and optimizer state.
+
+  ``nnx.value_and_grad(jn.rewrite(loss))`` inside ``nnx.jit`` lost the first two;
+  ``nnx.jit(jn.rewrite(train_step))`` lost them all (the model never trained).
+  """
+  ident = lambda f: f
+  reports = []
+  rewrite = lambda f: jn.rewrite(f, report=reports.append)
+  wrap_loss, wrap_step = (rewrite, ident) if where == "loss_in_jit" else (ident, rewrite)
+  jit = where != "step_eager"
+  want = _nnx_training(ident, ident, jit, steps=3 if jit else 2)
+  got = _nnx_training(wrap_loss, wrap_step, jit, steps=3 if jit else 2)
+  assert reports[-1].counts() == {"layer_norm": 1}, str(reports[-1])
+  assert not np.array_equal(want[0][1][0], want[-1][1][0])  # the state does change
+  for (loss, state), (loss_want, state_want) in zip(got, want):
+    _close(loss, loss_want)
+    _close(state, state_want)
