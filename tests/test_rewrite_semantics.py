@@ -230,3 +230,18 @@ def test_nnx_state_changes_as_in_plain_code(where):
   for (loss, state), (loss_want, state_want) in zip(got, want):
     _close(loss, loss_want)
     _close(state, state_want)
+
+
+def test_nnx_module_closed_over_and_changed_is_an_error():
+  nnx = pytest.importorskip("flax.nnx")
+  bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 4)), F32)
+
+  def normalize(x):
+    return bn(x)
+
+  with pytest.raises(TypeError, match="normalize .* changes a flax.nnx object .* pass the Module"):
+    jn.rewrite(normalize)(x)
+  y = jn.rewrite(lambda bn, x: bn(x))(bn, x)  # as an argument: threaded through
+  _close(y, nnx.BatchNorm(4, rngs=nnx.Rngs(0))(x))
+  assert float(jnp.abs(bn.mean[...]).max()) > 0

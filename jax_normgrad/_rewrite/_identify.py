@@ -164,13 +164,13 @@ def _activation(g: Graph, y):
       # Its jaxprs are of y's shape: the points repeated over it.
       if math.prod(y.aval.shape) > MAX_ACT_ELEMENTS:
         continue
-      test = np.resize(_ACT_TEST, y.aval.shape)
+      test = np.resize(_ACT_TEST, y.aval.shape).astype(y.aval.dtype)
     got = _eval_elementwise(g, eqns, y, out, test)
     if got is None:
       continue
     for act in _activations.ACTIVATIONS:
       with jax.ensure_compile_time_eval():
-        z = jnp.asarray(test)
+        z = jnp.asarray(test, jnp.float32)
         want = np.asarray(_activations.apply(z, act), np.float64)
         slope = np.asarray(_activations.grad(z, act), np.float64)
       if not np.allclose(got[0], want, rtol=1e-4, atol=1e-5):

@@ -361,7 +361,16 @@ def _trace(fun, args, kwargs):
                leaves=[None if i in dyn else leaf for i, leaf in enumerate(leaves)])
     return [leaves[i] for i in dyn]
 
-  closed = jax.make_jaxpr(flat_fun)(*values)
+  try:
+    closed = jax.make_jaxpr(flat_fun)(*values)
+  except Exception as e:  # pylint: disable=broad-except
+    errors = sys.modules.get("flax.errors")
+    if errors is None or not isinstance(e, getattr(errors, "TraceContextError", ())):
+      raise
+    raise TypeError(
+        f"jax_normgrad.rewrite: {_describe(fun)} changes a flax.nnx object that is not among "
+        "its arguments (a Module it closes over), whose state the rewrite cannot thread "
+        "through: pass the Module as an argument") from e
 
   def outputs(results):
     leaves = list(out["leaves"])
