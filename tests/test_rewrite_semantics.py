@@ -245,3 +245,60 @@ def test_nnx_module_closed_over_and_changed_is_an_error():
   y = jn.rewrite(lambda bn, x: bn(x))(bn, x)  # as an argument: threaded through
   _close(y, nnx.BatchNorm(4, rngs=nnx.Rngs(0))(x))
   assert float(jnp.abs(bn.mean[...]).max()) > 0
+
+
+def test_equinox_step_returning_its_model():
+  """``eqx.filter_jit(jn.rewrite(make_step))``: the step returns the model, whose activation
+  (``jax.nn.relu``, a custom_jvp function) is a leaf that is not an array."""
+  eqx = pytest.importorskip("equinox")
+  optax = pytest.importorskip("optax")
+
+  class Model(eqx.Module):
+    lin: eqx.nn.Linear
+    ln: eqx.nn.LayerNorm
+    act: object
+
+    def __call__(self, x):
+      return self.act(self.ln(self.lin(x)))
+
+  opt = optax.sgd(0.1)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 8)), F32)
+
+  def make_step(model, state, x):
+    loss, g = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    updates, state = opt.update(g, state, model)
+    return loss, eqx.apply_updates(model, updates), state
+
+  def train(step):
+    model = Model(eqx.nn.Linear(8, 16, key=jax.random.key(0)), eqx.nn.LayerNorm(16), jax.nn.relu)
+    state = opt.init(eqx.filter(model, eqx.is_array))
+    history = []
+    for _ in range(3):
+      loss, model, state = step(model, state, x)
+      history.append((loss, eqx.filter(model, eqx.is_array)))
+    assert model.act is jax.nn.relu
+    return history
+
+  _close(train(eqx.filter_jit(jn.rewrite(make_step))), train(eqx.filter_jit(make_step)))
+  with pytest.raises(TypeError, match="make_step .* is already jitted .* eqx.filter_jit"):
+    jn.rewrite(eqx.filter_jit(make_step))
+
+
+def test_effects_are_kept():
+  """Ordered callbacks, one on a norm's mean and one nothing reads, run as in the plain code."""
+  x, w, b, _ = rc.inputs(False, F32)
+  seen = []
+
+  def f(x):
+    m = x.mean(-1, keepdims=True)
+    jax.debug.callback(lambda v: seen.append(("mean", v.shape)), m, ordered=True)
+    jax.debug.callback(lambda: seen.append(("unread",)), ordered=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(v + rc.EPS) * w
+
+  want = jax.jit(f)(x)
+  plain, seen[:] = list(seen), []
+  got = jax.jit(jn.rewrite(f))(x)
+  assert seen == plain == [("mean", (6, 1)), ("unread",)]
+  _close(got, want)
+  assert jn.explain_rewrite(f, x).counts() == {"layer_norm": 1}
