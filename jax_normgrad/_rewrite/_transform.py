@@ -361,6 +361,11 @@ def _trace(fun, args, kwargs):
                leaves=[None if i in dyn else leaf for i, leaf in enumerate(leaves)])
     return [leaves[i] for i in dyn]
 
+  if kwargs or len(values) != len(args) or not all(map(_is_array, args)):
+    # The traced values are not fun's positional arguments one for one: jax names them
+    # args[i] rather than by a signature they do not bind to as named.
+    flat_fun.__signature__ = inspect.Signature(
+        [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
   try:
     closed = jax.make_jaxpr(flat_fun)(*values)
   except Exception as e:  # pylint: disable=broad-except
