@@ -79,6 +79,30 @@ def test_custom_rules_are_kept(norm):
   assert m.op == "layer_norm" and "custom_" in m.where, m
 
 
+@jax.custom_jvp
+def _damped_rsqrt(v):
+  """rsqrt whose derivative is damped (half rsqrt's): not the op's derivative."""
+  return jax.lax.rsqrt(v)
+
+
+_damped_rsqrt.defjvp(lambda p, t: (_damped_rsqrt(p[0]), -0.25 * t[0] * _damped_rsqrt(p[0]) ** 3))
+
+
+def test_statistics_through_a_custom_rule_are_left_alone():
+  """A norm whose rsqrt is a custom_jvp function: the op would replace its rule, so it runs as written."""
+  x, w, b, ct = rc.inputs(False, F32)
+
+  def f(x, w, b):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) * _damped_rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + rc.EPS) * w + b
+
+  _same_as_plain(f, (x, w, b), ct)
+  report = jn.explain_rewrite(f, x, w, b)
+  assert not report.matches
+  (miss,) = report.near_misses
+  assert miss.reason.startswith("the statistics pass through a function with a custom derivative")
+
+
 # ----------------------------------------------------------------------------
 # Fused activations: the code's derivative, ties included.
 

@@ -20,8 +20,8 @@ from jax.extend import source_info_util
 from jax_normgrad import _activations, _compat
 from jax_normgrad._rewrite import _algebra as al
 from jax_normgrad._rewrite._graph import Graph, is_literal
-from jax_normgrad._rewrite._match import (TRACED_STATISTICS, Candidate, _sig, candidates,
-                                          cast_direction, interpret)
+from jax_normgrad._rewrite._match import (DECISIVE, Candidate, _sig, candidates, cast_direction,
+                                          interpret)
 
 SUPPORTED_X = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -268,10 +268,10 @@ def find(g: Graph):
       if not any(set(m.outputs) & set(o.outputs) for o in matches):
         matches.append(m)
     if not found:
-      # A traced eps is the first reason to give: the values tried after it (x - mean, say)
-      # only fail for want of it.
+      # A traced eps, or statistics through a custom rule, is the first reason to give: the
+      # values tried after it (x - mean, say) only fail for want of it.
       traced = next(((cand, v, why) for cand in views for v, why in cand.failures.items()
-                     if why.startswith(TRACED_STATISTICS)), None)
+                     if why.startswith(DECISIVE)), None)
       if traced is not None:
         cand, v, why = traced
         miss = NearMiss(tuple(cand.root.aval.shape), cand.root.aval.dtype, why, source_of(g, v))

@@ -438,6 +438,12 @@ def _select_n(cand: Candidate, e):
 
 
 BINARY = ("add", "sub", "mul", "div", "max", "min", "pow")
+#: Functions with derivative rules of their own (not inlined: ``_graph.INLINED``).
+CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call")
+#: The start of the reason given where the statistics pass through one.
+CUSTOM_RULE = "the statistics pass through a function with a custom derivative"
+#: Reasons that explain a candidate's other failures, reported first.
+DECISIVE = (TRACED_STATISTICS, CUSTOM_RULE)
 SHAPE = ("broadcast_in_dim", "reshape", "squeeze", "transpose")
 
 
@@ -458,6 +464,10 @@ def interpret(cand: Candidate, start: int):
     name = e.primitive.name
     out = e.outvars[0]
     try:
+      if name in CUSTOM_CALLS and any(al.pure_row(cand.abs[a].poly) is not None and
+                                      al.has_moments(cand.abs[a].poly) for a in live):
+        raise Fail(f"{CUSTOM_RULE} ({name}): its own derivative rule, which the op's would "
+                   "replace, differentiates the statistics; left as written")
       if name in BINARY and len(ins) == 2:
         poly, dims = _binary(cand, e, ins[0], ins[1])
       elif name == "reduce_sum":
