@@ -18,6 +18,7 @@ import pytest
 
 import jax_normgrad as jn
 import rewrite_corpus as rc
+from test_rewrite import kernel_calls
 
 F32 = jnp.float32
 
@@ -77,6 +78,7 @@ def test_custom_rules_are_kept(norm):
   _same_as_plain(f, (x, w, b), ct)
   (m,) = jn.explain_rewrite(f, x, w, b).matches
   assert m.op == "layer_norm" and "custom_" in m.where, m
+  assert kernel_calls(jn.rewrite(f), x, w, b) == 1  # the primal on the kernel
 
 
 @jax.custom_jvp
