@@ -193,6 +193,11 @@ def test_traced_eps_is_named_in_the_report():
   (miss,) = report.near_misses
   assert miss.reason.startswith("eps is a traced value") and "static" in miss.reason, miss
   assert jn.explain_rewrite(f, x, w, 1e-5).counts() == {"rms_norm": 1}
+  # As a user meets it: a Python float eps that the enclosing jit traces.
+  reports = []
+  y = jax.jit(jn.rewrite(f, report=reports.append))(x, w, 1e-5)
+  assert reports[-1].near_misses[0].reason.startswith("eps is a traced value")
+  _close(y, f(x, w, 1e-5))
 
 
 # ----------------------------------------------------------------------------
