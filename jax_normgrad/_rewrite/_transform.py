@@ -474,7 +474,7 @@ def rewrite(fun, *, report=False):
     raise TypeError(f"fun: expected a callable, got {type(fun).__name__}")
   if not (isinstance(report, bool) or callable(report)):
     raise TypeError(f"report: expected a bool or a callable, got {type(report).__name__}")
-  if callable(getattr(fun, "lower", None)):
+  if callable(getattr(fun, "lower", None)) and hasattr(fun, "__wrapped__"):  # a jit's wrapper
     raise TypeError(
         f"jax_normgrad.rewrite: {_describe(fun)} is already jitted (it has .lower: jax.jit, "
         "nnx.jit, eqx.filter_jit); rewriting it would trace it again at every call, outside "
