@@ -22,8 +22,10 @@ from jax.extend import core as jcore
 
 from jax_normgrad import _compat
 
-#: Call primitives inlined for the analysis (their bodies are plain code).
-INLINED = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call")
+#: Call primitives inlined for the analysis (their bodies are plain code). A ``custom_jvp``
+#: function is not: its own rule differentiates it, so its equations are rewritten only in its
+#: primal body (where that rule still applies), never matched with the code around it.
+INLINED = ("pjit", "jit", "closed_call", "core_call")
 #: The largest value, in elements, evaluated at trace time.
 MAX_CONST_ELEMENTS = 4096
 
@@ -109,7 +111,8 @@ class Graph:
             self.alias[o] = self.resolve(a)
             if top:
               self.scope_vars.add(o)
-              self.exposed.setdefault(self.alias[o], o)
+              if not is_literal(self.alias[o]):  # a jitted helper may return a Python constant
+                self.exposed.setdefault(self.alias[o], o)
         continue
       if _value_identity(e):
         # A type cast that leaves the value as it is (shard_map's pvary of a constant or a

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
 
-from jax_normgrad import _activations
+from jax_normgrad import _activations, _compat
 from jax_normgrad._rewrite import _algebra as al
 from jax_normgrad._rewrite._graph import Graph, is_literal
-from jax_normgrad._rewrite._match import Candidate, _sig, candidates, cast_direction, interpret
+from jax_normgrad._rewrite._match import (DECISIVE, Candidate, _sig, candidates, cast_direction,
+                                          interpret)
 
 SUPPORTED_X = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -49,6 +50,7 @@ class Match:
   source: str = ""
   shape: tuple = ()
   dtype: Any = None
+  note: str | None = None  # what was kept as written, and why (an activation not fused)
 
 
 @dataclasses.dataclass
@@ -119,20 +121,31 @@ def _ancestors(g: Graph, var, stop) -> set:
 
 _ACT_PRIMS = ("logistic", "mul", "add", "sub", "div", "neg", "max", "min", "tanh", "exp",
               "integer_pow", "pow", "convert_element_type", "erf", "sqrt", "rsqrt", "abs",
-              "square", "select_n", "ge", "gt", "le", "lt")
+              "square", "select_n", "ge", "gt", "le", "lt", "custom_jvp_call")
+#: The points an activation is compared at: ties (0, where ``max`` and ``where`` differ in
+#: their derivative) included.
+_ACT_TEST = np.linspace(-8.0, 8.0, 161, dtype=np.float32)
+#: The largest y, in elements, whose activation is a ``custom_jvp`` function that is checked
+#: (evaluated at y's shape, the shape of its jaxprs); a larger one is not fused.
+MAX_ACT_ELEMENTS = 1 << 20
 
 
 def _activation(g: Graph, y):
-  """``(activation, output variable)`` where y feeds only an elementwise SiLU / GELU / ReLU."""
-  test = np.linspace(-8.0, 8.0, 161, dtype=np.float32)
+  """``(activation, output variable, note)`` where y feeds only an elementwise SiLU / GELU / ReLU.
+
+  The code's function of y must equal the op's activation in value and in
+  derivative (as jax differentiates the code: ``max(y, 0)`` has derivative
+  0.5 at 0, a ``custom_jvp`` function its own rule's) at every test point,
+  ties included: the op's backward uses its own derivative. Where only the
+  values agree, nothing is fused and ``note`` says why (the activation then
+  runs as written, after the op); else ``note`` is None.
+  """
   avail = {y}
   chosen = []
-  best = None
+  best, note = None, None
   frontier = set(g.consumers.get(y, ()))
   for _ in range(12):
-    ready = sorted(i for i in frontier if g.eqns[i].primitive.name in _ACT_PRIMS and all(
-        (not is_literal(a) and g.resolve(a) in avail) or g.scalar(a) is not None
-        for a in g.eqns[i].invars) and len(g.eqns[i].outvars) == 1)
+    ready = sorted(i for i in frontier if _act_eqn(g, g.eqns[i], avail))
     if not ready:
       break
     i = ready[0]
@@ -145,31 +158,68 @@ def _activation(g: Graph, y):
     escape = [v for v in avail if v in g.out_set or any(c not in members for c in g.consumers.get(v, ()))]
     if escape != [out] or g.scope_var(out) is None:
       continue
-    got = _eval_elementwise(g, [g.eqns[j] for j in chosen], y, out, test)
+    eqns = [g.eqns[j] for j in chosen]
+    test = _ACT_TEST
+    if any(e.primitive.name == "custom_jvp_call" for e in eqns):
+      # Its jaxprs are of y's shape: the points repeated over it.
+      if math.prod(y.aval.shape) > MAX_ACT_ELEMENTS:
+        continue
+      test = np.resize(_ACT_TEST, y.aval.shape).astype(y.aval.dtype)
+    got = _eval_elementwise(g, eqns, y, out, test)
     if got is None:
       continue
     for act in _activations.ACTIVATIONS:
       with jax.ensure_compile_time_eval():
-        want = np.asarray(_activations.apply(jnp.asarray(test), act), np.float64)
-      if np.allclose(got, want, rtol=1e-4, atol=1e-5):
-        best = (act, out)
-  return best
+        z = jnp.asarray(test, jnp.float32)
+        want = np.asarray(_activations.apply(z, act), np.float64)
+        slope = np.asarray(_activations.grad(z, act), np.float64)
+      if not np.allclose(got[0], want, rtol=1e-4, atol=1e-5):
+        continue
+      bad = ~np.isclose(got[1], slope, rtol=1e-4, atol=1e-5)
+      if bad.any():
+        k = np.unravel_index(np.argmax(bad), bad.shape)
+        note = (f"{act} not fused: the code's derivative at {float(test[k]):g} is "
+                f"{got[1][k]:g}, the op's {slope[k]:g}")
+        continue
+      best, note = (act, out), None
+  return best, (note if best is None else None)
+
+
+def _act_eqn(g: Graph, e, avail) -> bool:
+  """Whether ``e`` is an elementwise step of an activation of the values in ``avail``."""
+  if e.primitive.name not in _ACT_PRIMS or len(e.outvars) != 1 or not all(
+      (not is_literal(a) and g.resolve(a) in avail) or g.scalar(a) is not None for a in e.invars):
+    return False
+  # A custom_jvp function (jax.nn.relu) of one value of its result's shape; evaluated below
+  # with its own rule.
+  return e.primitive.name != "custom_jvp_call" or (
+      len(e.invars) == 1 and e.invars[0].aval.shape == e.outvars[0].aval.shape)
 
 
 def _eval_elementwise(g: Graph, eqns, y, out, test):
-  """``out`` as a function of ``y`` at the points ``test`` (float64 NumPy), else None."""
+  """``(value, derivative)`` of ``out`` as a function of ``y`` at the points ``test`` (float64 NumPy), else None.
+
+  The derivative is jax's of the equations (``jax.jvp``), a ``custom_jvp``
+  function's its own rule.
+  """
+
+  def fun(t):
+    env = {y: t}
+    for e in eqns:
+      ins = []
+      for a in e.invars:
+        r = g.resolve(a)
+        ins.append(env[r] if not is_literal(r) and r in env else
+                   jnp.asarray(g.scalar(a), dtype=getattr(a.aval, "dtype", jnp.float32)))
+      res = _compat.bind_equation(e, ins)
+      env[e.outvars[0]] = res[0] if e.primitive.multiple_results else res
+    return env[out]
+
   try:
     with jax.ensure_compile_time_eval():
-      env = {y: jnp.asarray(test)}
-      for e in eqns:
-        ins = []
-        for a in e.invars:
-          r = g.resolve(a)
-          ins.append(env[r] if not is_literal(r) and r in env else
-                     jnp.asarray(g.scalar(a), dtype=getattr(a.aval, "dtype", jnp.float32)))
-        params = dict(e.params)
-        env[e.outvars[0]] = e.primitive.bind(*ins, **params)
-      return np.asarray(env[out], np.float64)
+      t = jnp.asarray(test)
+      val, der = jax.jvp(fun, (t,), (jnp.ones_like(t),))
+      return np.asarray(val, np.float64), np.asarray(der, np.float64)
   except Exception:  # pylint: disable=broad-except
     return None
 
@@ -217,6 +267,14 @@ def find(g: Graph):
     for m in found:
       if not any(set(m.outputs) & set(o.outputs) for o in matches):
         matches.append(m)
+    if not found:
+      # A traced eps, or statistics through a custom rule, is the first reason to give: the
+      # values tried after it (x - mean, say) only fail for want of it.
+      traced = next(((cand, v, why) for cand in views for v, why in cand.failures.items()
+                     if why.startswith(DECISIVE)), None)
+      if traced is not None:
+        cand, v, why = traced
+        miss = NearMiss(tuple(cand.root.aval.shape), cand.root.aval.dtype, why, source_of(g, v))
     if not found and miss is not None:
       misses.append(miss)
   return matches, misses
@@ -326,7 +384,7 @@ def _build(g: Graph, cand: Candidate, y, norm: al.Norm, layout):
     return None, "an RMSNorm over a group's channels (no such op)"
   m = Match(op="group_norm", lead_ndim=layout[1], channel_axis=layout[2],
             groups=cand.sizes[layout[3]], **common)
-  act = _activation(g, y)
+  act, m.note = _activation(g, y)
   if act is not None and g.scope_var(act[1]) is not None:
     m.activation = act[0]
     m.outputs = {g.scope_var(act[1]): "y"}

@@ -272,6 +272,8 @@ def _binary(cand: Candidate, e, a, b):
     return al.poly_scale(P, al.recip(r), tuple((f, -p) for f, p in mono)), dims
   if name in ("max", "min", "pow"):
     ra, rb = al.pure_row(P), al.pure_row(Q)
+    if name == "pow" and ra is None:
+      _check_traced_statistics(cand, P)
     if ra is None or rb is None:
       raise Fail(f"{name} of a value that is not a row statistic")
     if name == "pow":
@@ -280,6 +282,26 @@ def _binary(cand: Candidate, e, a, b):
       return al.poly_const(al.power(ra, al.value_of(rb))), dims
     return al.poly_const(al.binary(name, ra, rb)), dims
   raise Fail(f"{name}")
+
+
+#: The start of the reason given where a traced value enters the statistics under the square root.
+TRACED_STATISTICS = "eps is a traced value"
+
+
+def _check_traced_statistics(cand: Candidate, P):
+  """Raises :class:`Fail` saying so where ``P`` is the row's statistics plus (or times) a traced scalar.
+
+  ``var + eps`` with eps a jit argument (a tracer, not a number) is not a row
+  statistic to the algebra: the norm's eps must be known when it is traced.
+  """
+  if set(P) != {0} or () not in P[0] or not al.has_moments({0: {(): P[0][()]}}):
+    return
+  traced = [cand.factors[f] for mono in P[0] if mono for f, _ in mono]
+  if traced and all(not f.dims for f in traced):
+    avals = ", ".join(sorted({str(getattr(f.atom, "aval", "?")) for f in traced}))
+    raise Fail(f"{TRACED_STATISTICS} ({avals}, added to the statistics under the square root), "
+               "not a number known when the function is traced: pass eps as a Python float "
+               "(closed over, or a static argument of the enclosing jit: static_argnames)")
 
 
 def _unary(cand: Candidate, e, a):
@@ -303,9 +325,12 @@ def _unary(cand: Candidate, e, a):
       return out, src.dims
     r = al.pure_row(P)
     if r is None:
+      _check_traced_statistics(cand, P)
       raise Fail("a negative power of a value that depends on x elementwise")
     return al.poly_const(al.power(r, y)), src.dims
   r = al.pure_row(P)
+  if name in ("sqrt", "rsqrt") and r is None:
+    _check_traced_statistics(cand, P)
   if name in ("sqrt", "rsqrt", "abs") and r is not None:
     if name == "abs":
       raise Fail("abs")
@@ -413,6 +438,12 @@ def _select_n(cand: Candidate, e):
 
 
 BINARY = ("add", "sub", "mul", "div", "max", "min", "pow")
+#: Functions with derivative rules of their own (not inlined: ``_graph.INLINED``).
+CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call")
+#: The start of the reason given where the statistics pass through one.
+CUSTOM_RULE = "the statistics pass through a function with a custom derivative"
+#: Reasons that explain a candidate's other failures, reported first.
+DECISIVE = (TRACED_STATISTICS, CUSTOM_RULE)
 SHAPE = ("broadcast_in_dim", "reshape", "squeeze", "transpose")
 
 
@@ -433,6 +464,10 @@ def interpret(cand: Candidate, start: int):
     name = e.primitive.name
     out = e.outvars[0]
     try:
+      if name in CUSTOM_CALLS and any(al.pure_row(cand.abs[a].poly) is not None and
+                                      al.has_moments(cand.abs[a].poly) for a in live):
+        raise Fail(f"{CUSTOM_RULE} ({name}): its own derivative rule, which the op's would "
+                   "replace, differentiates the statistics; left as written")
       if name in BINARY and len(ins) == 2:
         poly, dims = _binary(cand, e, ins[0], ins[1])
       elif name == "reduce_sum":

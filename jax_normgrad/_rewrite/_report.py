@@ -35,9 +35,11 @@ class MatchInfo:
   out_dtype: str
   where: str  # the nested jaxpr it sits in ("" at the top)
   source: str  # file:line (function) of the equation that produced the norm's result
+  note: str | None = None  # what runs as written after the op, and why (an activation not fused)
 
   def line(self) -> str:
     extra = f", activation={self.activation}" if self.activation else ""
+    extra += f" ({self.note})" if self.note else ""
     return (f"{self.op:15s} {'x'.join(map(str, self.shape)):>16s} {self.dtype:8s} -> {self.out_dtype:8s} "
             f"eps={self.eps:.3g} weight={self.weight} bias={self.bias}{extra}"
             f"{'  [' + self.where + ']' if self.where else ''}  {self.source}")
@@ -83,7 +85,7 @@ class RewriteReport:
   def add_match(self, m, where: str, names):
     info = MatchInfo(m.op, tuple(m.shape), jnp.dtype(m.dtype).name, m.eps,
                      _affine_text(m.weight, names), _affine_text(m.bias, names), m.activation,
-                     jnp.dtype(m.y_dtype).name, where, m.source)
+                     jnp.dtype(m.y_dtype).name, where, m.source, m.note)
     self.matches.append(info)
 
   def add_miss(self, miss, where: str):

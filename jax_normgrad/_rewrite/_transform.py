@@ -20,6 +20,8 @@ unchanged (the very same jaxpr object).
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 import warnings
 
 import jax
@@ -333,16 +335,102 @@ def _split(args, kwargs, dynamic):
   return [leaves[i] for i in dyn], rebuild
 
 
-def _trace(fun, args, kwargs):
-  """``(closed jaxpr, its dynamic arguments, output tree)``: arrays traced, other leaves static."""
-  values, rebuild = _split(args, kwargs, _is_array)
+def _describe(fun) -> str:
+  """The user's function as an error names it: its name and where it is defined."""
+  name = getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None) or repr(fun)
+  code = getattr(inspect.unwrap(fun), "__code__", None) if callable(fun) else None
+  return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
 
+
+def _trace(fun, args, kwargs):
+  """``(closed jaxpr, its dynamic arguments, outputs from the jaxpr's results)``.
+
+  Array leaves of the arguments are traced, other leaves are static; so are
+  the outputs' (a string, a function in an equinox Module come back as the
+  function returned them).
+  """
+  values, rebuild = _split(args, kwargs, _is_array)
+  out: dict = {}
+
+  @functools.wraps(fun)  # jax's messages then name the user's function, not this one
   def flat_fun(*values):
     a, k = rebuild(values)
-    return fun(*a, **k)
+    leaves, treedef = jax.tree.flatten(fun(*a, **k))
+    dyn = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    out.update(treedef=treedef, dyn=dyn,
+               leaves=[None if i in dyn else leaf for i, leaf in enumerate(leaves)])
+    return [leaves[i] for i in dyn]
 
-  closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*values)
-  return closed, values, jax.tree.structure(out_shape)
+  if kwargs or len(values) != len(args) or not all(map(_is_array, args)):
+    # The traced values are not fun's positional arguments one for one: jax names them
+    # args[i] rather than by a signature they do not bind to as named.
+    flat_fun.__signature__ = inspect.Signature(
+        [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
+  try:
+    closed = jax.make_jaxpr(flat_fun)(*values)
+  except Exception as e:  # pylint: disable=broad-except
+    errors = sys.modules.get("flax.errors")
+    if errors is None or not isinstance(e, getattr(errors, "TraceContextError", ())):
+      raise
+    raise TypeError(
+        f"jax_normgrad.rewrite: {_describe(fun)} changes a flax.nnx object that is not among "
+        "its arguments (a Module it closes over), whose state the rewrite cannot thread "
+        "through: pass the Module as an argument") from e
+
+  def outputs(results):
+    leaves = list(out["leaves"])
+    for i, val in zip(out["dyn"], results):
+      leaves[i] = val
+    return jax.tree.unflatten(out["treedef"], leaves)
+
+  return closed, values, outputs
+
+
+def _nnx_of(args, kwargs):
+  """``flax.nnx`` where the arguments hold its graph nodes (Modules, Variables, Rngs), else None.
+
+  Only where the caller has imported ``flax.nnx``: the rewrite never imports it.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return None
+  is_node = nnx.graph.is_graph_node
+  return nnx if any(map(is_node, jax.tree.leaves((args, kwargs), is_leaf=is_node))) else None
+
+
+def _on_graph_nodes(nnx, call, fun, args, kwargs):
+  """``call(fun, args, kwargs)`` with NNX graph nodes threaded through as ``nnx.jit`` does.
+
+  The graph nodes among the arguments are split into their state, the traced
+  function merges them again, calls ``fun`` and returns the state it left
+  them in, and the caller's objects are updated with it: Variables, RNG
+  counts, batch statistics and an optimizer's updates change as in the
+  plain code (a Module is otherwise a pytree, rebuilt inside the trace, and
+  its changes would be lost).
+  """
+  is_node = nnx.graph.is_graph_node
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
+  where = [i for i, leaf in enumerate(leaves) if is_node(leaf)]
+  nodes = [leaves[i] for i in where]
+  graphdef, state = nnx.split(nodes)
+
+  def pure(state, rest):
+    inner = nnx.merge(graphdef, state)
+    full = list(rest)
+    for i, node in zip(where, inner):
+      full[i] = node
+    a, k = jax.tree.unflatten(treedef, full)
+    result = fun(*a, **k)
+    if any(map(is_node, jax.tree.leaves(result, is_leaf=is_node))):
+      raise TypeError(f"jax_normgrad.rewrite: {_describe(fun)} returned a flax.nnx graph node "
+                      "(a Module, Variable or Rngs); the rewrite threads graph nodes through its "
+                      "arguments only: return arrays (and change the arguments' Modules in place)")
+    return result, nnx.state(inner)
+
+  rest = [None if i in where else leaf for i, leaf in enumerate(leaves)]
+  result, new_state = call(functools.wraps(fun)(pure), (state, rest), {})
+  nnx.update(nodes, new_state)
+  return result
 
 
 def rewrite(fun, *, report=False):
@@ -356,7 +444,11 @@ def rewrite(fun, *, report=False):
   :func:`~jax_normgrad.group_norm` (a SiLU, GELU or ReLU after it fused) or
   :func:`~jax_normgrad.add_layer_norm` / :func:`~jax_normgrad.add_rms_norm`
   (a residual add before it whose sum is also used), with the same eps,
-  scale, offset and output dtype. Everything else is evaluated unchanged.
+  scale, offset and output dtype. Everything else is evaluated unchanged:
+  custom derivative rules stay the function's, a fused activation has the
+  code's derivative, and ``flax.nnx`` Modules among the arguments are
+  threaded through as ``nnx.jit`` does, so their state changes as in the
+  plain code. Non-array outputs are returned as ``fun`` returned them.
 
   Wrap the result in ``jax.jit`` (the trace and the matching then run once
   per compile) and differentiate the result, not the other way round:
@@ -365,28 +457,47 @@ def rewrite(fun, *, report=False):
   backward is XLA's transposed code, which is left alone.
 
   Args:
-    fun: a function of arrays and pytrees of arrays.
+    fun: a function of arrays and pytrees of arrays (and of ``flax.nnx``
+      graph nodes); not an already jitted one (``jax.jit``, ``nnx.jit``,
+      ``eqx.filter_jit``): put ``rewrite`` inside the jit.
     report: False; True prints the :class:`RewriteReport` of each trace; a
       callable is called with it.
 
   Returns:
     The rewritten function.
+
+  Raises:
+    TypeError: ``fun`` is not callable or is jitted; ``report`` is not a
+      bool or a callable.
   """
   if not callable(fun):
     raise TypeError(f"fun: expected a callable, got {type(fun).__name__}")
   if not (isinstance(report, bool) or callable(report)):
     raise TypeError(f"report: expected a bool or a callable, got {type(report).__name__}")
+  if callable(getattr(fun, "lower", None)) and hasattr(fun, "__wrapped__"):  # a jit's wrapper
+    raise TypeError(
+        f"jax_normgrad.rewrite: {_describe(fun)} is already jitted (it has .lower: jax.jit, "
+        "nnx.jit, eqx.filter_jit); rewriting it would trace it again at every call, outside "
+        "the jit's cache, and leave its backward to XLA. Put rewrite inside the jit: "
+        "jax.jit(jn.rewrite(f)) (nnx.jit(jn.rewrite(f)), eqx.filter_jit(jn.rewrite(f))) of the "
+        "function before it was jitted")
 
-  @functools.wraps(fun)
-  def rewritten(*args, **kwargs):
-    closed, values, out_tree = _trace(fun, args, kwargs)
+  def call(fun, args, kwargs):
+    closed, values, outputs = _trace(fun, args, kwargs)
     rw = _Rewriter()
     outs = rw.run(closed.jaxpr, closed.consts, values)
     if report is True:
       print(rw.report)
     elif callable(report):
       report(rw.report)
-    return jax.tree.unflatten(out_tree, outs)
+    return outputs(outs)
+
+  @functools.wraps(fun)
+  def rewritten(*args, **kwargs):
+    nnx = _nnx_of(args, kwargs)
+    if nnx is not None:
+      return _on_graph_nodes(nnx, call, fun, args, kwargs)
+    return call(fun, args, kwargs)
 
   return rewritten
 
