@@ -138,9 +138,8 @@ class Tuning:
   #: 3.35 TB/s, 132 SMs and 1-2 us of loaded latency asks 25-50 KiB per SM.
   mosaic_gpu_inflight_bytes: int = 64 * 1024
   #: Mosaic GPU: most shared-memory stages per streamed operand (rows fetched ahead + 1).
-  #: Two, the double buffer: on an H200 deeper plans (up to 8) were as fast or slower on five
-  #: of six LayerNorm passes, the 16384x4096 bfloat16 backward 1.75x slower (fewer CTAs per
-  #: SM); BENCHMARKS.md, "Mosaic GPU against Triton".
+  #: Two, the double buffer: deeper plans were no faster on an H200, and slower where they
+  #: leave fewer CTAs per SM (BENCHMARKS.md, "Mosaic GPU against Triton").
   mosaic_gpu_max_stages: int = 2
 
 
