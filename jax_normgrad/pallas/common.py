@@ -22,6 +22,23 @@ from jax_normgrad import _activations, _compat
 F32 = jnp.float32
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+  """Which kernels a lowering runs for a ``kernels.Problem`` (``kernels.describe``), for ``explain``.
+
+  ``variant``: the kernels' form (e.g. "fused rows", "sample-wide channels-last");
+  ``kernels``: the names the kernels have in the lowered module, in launch order;
+  ``detail``: the plan (tiles, warps, programs).
+  """
+
+  variant: str
+  kernels: tuple[str, ...]
+  detail: str
+
+  def __str__(self) -> str:
+    return f"{self.variant}: {', '.join(self.kernels)} ({self.detail})"
+
+
 #: How ``explain`` names each ``Segments`` kind.
 KINDS = {"rows": "rows", "channels_first": "channels-first groups",
          "channels_last": "channels-last groups"}

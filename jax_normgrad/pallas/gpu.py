@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax_normgrad.pallas import common, config, kernels
+from jax_normgrad.pallas import common, config
 
 F32 = jnp.float32
 #: The forward takes ``residual`` / ``h_dtype`` and the backward ``dh``
@@ -456,8 +456,9 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
   return (dx, *_param_grads(outs.pop(0) if outs else None, mask, interpret=interpret), *dx2)
 
 
-def describe(problem: kernels.Problem, *, interpret: bool) -> kernels.KernelPlan:
-  """The kernels ``forward`` / ``backward`` launch for ``problem``, and their plan (``explain``).
+def describe(problem, *, interpret: bool) -> common.KernelPlan:
+  """The kernels ``forward`` / ``backward`` launch for ``problem`` (a ``kernels.Problem``), and
+  their plan (``explain``).
 
   Decided as those functions decide: the sample-wide channels-last kernels where
   ``_nhwc_plan`` gives a plan (not for the residual form, nor a backward with ``dx_dy``),
@@ -482,7 +483,7 @@ def describe(problem: kernels.Problem, *, interpret: bool) -> kernels.KernelPlan
     detail = (f"tiles of {nhwc.rows} pixels x {nhwc.cols} channels{odd}, {nhwc.num_warps} "
               f"warps, {launch.grid[0]} programs, "
               + (f"each sample in {launch.parts} parts" if split else "whole samples"))
-    return kernels.KernelPlan("sample-wide channels-last", _named(names), detail)
+    return common.KernelPlan("sample-wide channels-last", _named(names), detail)
   plan = config.gpu_plan(seg.shape, itemsize, backward=backward,
                          residual=problem.extra_bytes > 0 and not backward)
   launch = _Launch(seg, plan, interpret)
@@ -494,7 +495,7 @@ def describe(problem: kernels.Problem, *, interpret: bool) -> kernels.KernelPlan
   tiles = plan.chunks[0] * plan.chunks[1]
   detail = (f"tile {plan.tile[0]}x{plan.tile[1]}, {tiles} tile{'s' * (tiles > 1)} a segment, "
             f"{plan.num_warps} warps, {launch.grid[0]} programs")
-  return kernels.KernelPlan(variant, _named(names), detail)
+  return common.KernelPlan(variant, _named(names), detail)
 
 
 def _named(names):

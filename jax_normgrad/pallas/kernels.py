@@ -25,7 +25,7 @@ from typing import Callable
 import jax.numpy as jnp
 from jax import lax
 
-from jax_normgrad.pallas.common import Segments
+from jax_normgrad.pallas.common import KernelPlan, Segments
 
 F32 = jnp.float32
 
@@ -59,23 +59,6 @@ class Problem:
   @property
   def dy_itemsize(self) -> int:
     return jnp.dtype(self.dy_dtype).itemsize if self.backward else 0
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelPlan:
-  """Which kernels a lowering runs for a :class:`Problem` (``describe``), for ``explain``.
-
-  ``variant``: the kernels' form (e.g. "fused rows", "sample-wide channels-last");
-  ``kernels``: the names the kernels have in the lowered module, in launch order;
-  ``detail``: the plan (tiles, warps, programs).
-  """
-
-  variant: str
-  kernels: tuple[str, ...]
-  detail: str
-
-  def __str__(self) -> str:
-    return f"{self.variant}: {', '.join(self.kernels)} ({self.detail})"
 
 
 def describe(problem: Problem, backend: str, *, interpret: bool) -> KernelPlan | None:

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_normgrad.pallas import common, config, kernels
+from jax_normgrad.pallas import common, config
 
 F32 = jnp.float32
 _PARALLEL = ("w", "g", "p")
@@ -492,10 +492,11 @@ def _compute_dtype(x):
   return F32 if x.dtype == jnp.float16 else x.dtype
 
 
-def describe(problem: kernels.Problem, *, interpret) -> kernels.KernelPlan:
-  """The kernels ``forward`` / ``backward`` launch for ``problem``, and their plan (``explain``):
-  the layout's blocks, fused (a segment in one block) or chunked (the forward's moments then
-  apply kernels; the backward's statistics kernel first where dx is asked for)."""
+def describe(problem, *, interpret) -> common.KernelPlan:
+  """The kernels ``forward`` / ``backward`` launch for ``problem`` (a ``kernels.Problem``), and
+  their plan (``explain``): the layout's blocks, fused (a segment in one block) or chunked (the
+  forward's moments then apply kernels; the backward's statistics kernel first where dx is
+  asked for)."""
   del interpret
   seg, mask = problem.seg, problem.mask
   itemsize = lambda name: _compute_dtype(jnp.zeros((), name)).itemsize
@@ -508,7 +509,7 @@ def describe(problem: kernels.Problem, *, interpret) -> kernels.KernelPlan:
   block = "x".join(str(d) for d in lay.data_block if d is not None)
   order = lay.main_order if problem.backward else lay.stats_order
   grid = "x".join(str(d) for d in lay.grid(order))
-  return kernels.KernelPlan(("fused " if lay.fused else "chunked ") + common.KINDS[seg.kind],
+  return common.KernelPlan(("fused " if lay.fused else "chunked ") + common.KINDS[seg.kind],
                             tuple(f"jax_normgrad_norm_{n}" for n in names),
                             f"blocks of {block}, grid {grid}")
 
