@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from jax_normgrad import _compat
 from jax_normgrad._rewrite import _algebra as al
 from jax_normgrad._rewrite._graph import Graph, is_literal
 
@@ -439,7 +440,7 @@ def _select_n(cand: Candidate, e):
 
 BINARY = ("add", "sub", "mul", "div", "max", "min", "pow")
 #: Functions with derivative rules of their own (not inlined: ``_graph.INLINED``).
-CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call")
+CUSTOM_CALLS = _compat.primitive_names("custom_jvp_call", "custom_vjp_call")
 #: The start of the reason given where the statistics pass through one.
 CUSTOM_RULE = "the statistics pass through a function with a custom derivative"
 #: Reasons that explain a candidate's other failures, reported first.
