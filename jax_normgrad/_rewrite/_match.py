@@ -238,6 +238,24 @@ def _operand(cand: Candidate, atom, dims_like, dtype):
   return Abs(al.poly_const(al.ONE, ((f, 1),)), None, dtype), ext
 
 
+def _exact_mean(cand: Candidate, stat: Abs, c: Abs, dtype) -> Abs:
+  """The constant ``c`` of ``stat * c``: exactly 1/n where ``stat`` is a row statistic and ``c`` is
+  1/n rounded to ``dtype``, n the candidate's reduced size (a mean written ``sum(x) * (1 / n)``).
+
+  In float64 the rounded 1/n is not 1/n: a one-pass variance would then not cancel to
+  the variance (by a relative 1e-8 of the mean squared), where the code's arithmetic
+  rounds as much in its mean.
+  """
+  r, row = al.pure_row(c.poly), al.pure_row(stat.poly)
+  if r is None or row is None or not al.is_const(r):
+    return c
+  n = math.prod(cand.sizes[l] for l in cand.reduced if cand.sizes[l] > 1)
+  v = al.value_of(r)
+  if v != 1.0 / n and abs(v - 1.0 / n) <= float(jnp.finfo(dtype).eps) / n:
+    return c._replace(poly=al.poly_const(al.const(1.0 / n)))
+  return c
+
+
 def _binary(cand: Candidate, e, a, b):
   """Transfer of an elementwise binary op; returns the output's (poly, dims)."""
   name = e.primitive.name
@@ -255,6 +273,8 @@ def _binary(cand: Candidate, e, a, b):
   else:
     ext = eb if in_a else ea
     dims = _broadcast_ext_layout(ref.dims, ext) if ext else ref.dims
+  if name == "mul" and in_a != in_b:
+    pa, pb = (pa, _exact_mean(cand, pa, pb, dtype)) if in_a else (_exact_mean(cand, pb, pa, dtype), pb)
   P, Q = pa.poly, pb.poly
   if name == "add":
     return al.poly_add(P, Q), dims
