@@ -242,6 +242,32 @@ NEGATIVES = {f.__name__: f for f in (eps_outside_sqrt, batch_axis_stats, l2_norm
                                      l2_normalize_eps, softmax, mean_only)}
 
 
+@jax.custom_jvp
+def damped_rsqrt(v):
+  """rsqrt whose derivative is damped (half rsqrt's): not the op's derivative."""
+  return jax.lax.rsqrt(v)
+
+
+damped_rsqrt.defjvp(lambda p, t: (damped_rsqrt(p[0]), -0.25 * t[0] * damped_rsqrt(p[0]) ** 3))
+
+
+# ----------------------------------------------------------------------------
+# Activations after a GroupNorm (tests/test_rewrite_semantics.py, tests/test_rewrite_fuzz.py).
+
+#: name -> (activation code, the op's activation it is fused as; None: left as written).
+ACTIVATION_FORMS = {
+    "maximum": (lambda y: jnp.maximum(y, 0.0), None),  # derivative 0.5 at 0
+    "maximum_zero_first": (lambda y: jnp.maximum(0.0, y), None),
+    "where_ge": (lambda y: jnp.where(y >= 0, y, 0.0), None),  # derivative 1 at 0
+    "nn_relu": (jax.nn.relu, "relu"),  # a custom_jvp: derivative 0 at 0, as the op's
+    "mul_gt": (lambda y: y * (y > 0), "relu"),
+    "nn_silu": (jax.nn.silu, "silu"),
+    "sigmoid_form": (lambda y: y * jax.nn.sigmoid(y), "silu"),
+    "nn_gelu_tanh": (jax.nn.gelu, "gelu"),
+    "nn_gelu_erf": (lambda y: jax.nn.gelu(y, approximate=False), None),
+}
+
+
 @functools.cache
 def inputs(group: bool, dtype):
   """``(x, w, b, cotangent)``: x (6, 32) rows or (2, 3, 5, 16) NHWC with 8 groups."""
