@@ -81,7 +81,7 @@ AS_WRITTEN = {"xla_allow_excess_precision": False}
 
 
 def _vjp(f, *args):
-  """``(y, (dx, dw, db, dr))`` of ``f`` at ``args[:4]``, the cotangent ``args[4]``, compiled as written."""
+  """``(y, (dx, dw, db, dr))`` of ``f`` at ``args[:4]``, cotangent ``args[4]``, compiled as written."""
   def run(x, w, b, r, ct):
     y, pull = jax.vjp(f, x, w, b, r)
     return y, pull(ct.astype(y.dtype))
@@ -89,7 +89,7 @@ def _vjp(f, *args):
 
 
 def _error(got, want):
-  """max |got - want| over the positions where the truth is finite (inf: got is not finite there)."""
+  """max |got - want| where the truth is finite (inf: got is not finite there)."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   ok = np.isfinite(want)
   if not ok.any():

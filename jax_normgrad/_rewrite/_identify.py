@@ -119,12 +119,11 @@ def _ancestors(g: Graph, var, stop) -> set:
   return seen
 
 
-_ACT_PRIMS = ("logistic", "mul", "add", "sub", "div", "neg", "max", "min", "tanh", "exp",
-              "integer_pow", "pow", "convert_element_type", "erf", "sqrt", "rsqrt", "abs",
-              "square", "select_n", "ge", "gt", "le", "lt") + tuple(
-                  _compat.primitive_names("custom_jvp_call"))
 #: A custom_jvp function (``jax.nn.relu``) among an activation's steps.
 _CUSTOM_JVP = _compat.primitive_names("custom_jvp_call")
+_ACT_PRIMS = ("logistic", "mul", "add", "sub", "div", "neg", "max", "min", "tanh", "exp",
+              "integer_pow", "pow", "convert_element_type", "erf", "sqrt", "rsqrt", "abs",
+              "square", "select_n", "ge", "gt", "le", "lt", *_CUSTOM_JVP)
 #: The points an activation is compared at: ties (0, where ``max`` and ``where`` differ in
 #: their derivative) included.
 _ACT_TEST = np.linspace(-8.0, 8.0, 161, dtype=np.float32)

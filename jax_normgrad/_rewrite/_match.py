@@ -239,8 +239,8 @@ def _operand(cand: Candidate, atom, dims_like, dtype):
 
 
 def _exact_mean(cand: Candidate, stat: Abs, c: Abs, dtype) -> Abs:
-  """The constant ``c`` of ``stat * c``: exactly 1/n where ``stat`` is a row statistic and ``c`` is
-  1/n rounded to ``dtype``, n the candidate's reduced size (a mean written ``sum(x) * (1 / n)``).
+  """The constant ``c`` of ``stat * c``: exactly 1/n where ``stat`` is a row statistic and ``c``
+  is 1/n rounded to ``dtype``, n the candidate's reduced size (``sum(x) * (1 / n)``, a mean).
 
   In float64 the rounded 1/n is not 1/n: a one-pass variance would then not cancel to
   the variance (by a relative 1e-8 of the mean squared), where the code's arithmetic
@@ -273,8 +273,11 @@ def _binary(cand: Candidate, e, a, b):
   else:
     ext = eb if in_a else ea
     dims = _broadcast_ext_layout(ref.dims, ext) if ext else ref.dims
-  if name == "mul" and in_a != in_b:
-    pa, pb = (pa, _exact_mean(cand, pa, pb, dtype)) if in_a else (_exact_mean(cand, pb, pa, dtype), pb)
+  if name == "mul" and in_b != in_a:
+    if in_a:
+      pb = _exact_mean(cand, pa, pb, dtype)
+    else:
+      pa = _exact_mean(cand, pb, pa, dtype)
   P, Q = pa.poly, pb.poly
   if name == "add":
     return al.poly_add(P, Q), dims

@@ -136,7 +136,7 @@ class _Rewriter:
     return out if e.primitive.multiple_results else [out]
 
   def left_alone(self, e, where, what):
-    """Reports the equation ``e``, whose bodies run as written, as left alone, with the norms in them."""
+    """Reports ``e``, whose bodies run as written, as left alone, with the norms found in them."""
     found = 0
     for inner in jcore.jaxprs_in_params(e.params):
       try:
