@@ -248,8 +248,9 @@ class TruthProcess:
     return value
 
   def close(self):
-    self.proc.stdin.close()
+    self.proc.stdin.close()  # the process ends at the end of its input
     self.proc.wait(timeout=30)
+    self.proc.stdout.close()
 
 
 def _serve():
