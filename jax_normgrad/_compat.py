@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import NamedTuple
 
 import jax
 from jax.extend import core as jax_core
@@ -73,13 +74,10 @@ def shard_map_of(params: dict):
   body again inside a ``shard_map`` of the same mesh, specs, manual axes and
   varying-axes check. None where this jax names the parameters otherwise.
   """
-  try:
-    mesh, in_specs, out_specs = params["mesh"], params["in_specs"], params["out_specs"]
-  except KeyError:
-    return None
-  check = params.get("check_vma", params.get("check_rep"))
-  axes = params.get("newly_manual_axes", params.get("manual_axes"))
-  if check is None or axes is None or not hasattr(jax, "shard_map"):
+  mesh, in_specs, out_specs, check, axes = (param(params, n)
+                                            for n in PRIMITIVES["shard_map"].params)
+  if any(v is None for v in (mesh, in_specs, out_specs, check, axes)) or not hasattr(
+      jax, "shard_map"):
     return None
   return lambda fun: jax.shard_map(fun, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                    axis_names=set(axes), check_vma=check)
@@ -269,6 +267,76 @@ def register_triton_gpu(device_kind: str, compute_capability: str) -> bool:
     return False
   registry.setdefault(device_kind, lambda: info)
   return True
+
+
+# ----------------------------------------------------------------------------
+# The jaxpr primitives the package reads (``jax_normgrad.rewrite``, ``explain``).
+#
+# The rewrite reads jaxprs: it inlines calls, rewrites the bodies of control flow and of
+# functions with custom rules, evaluates ``checkpoint`` and ``shard_map`` bodies again, and
+# sees through a cast to varying. Their primitives' names and parameters are jax's internals,
+# not its API: they are named here and nowhere else. ``PRIMITIVES``: each such primitive by
+# its role, with the names it has had (the installed jax's among them: ``pjit`` became
+# ``jit``, ``checkpoint`` is ``remat2``, ``pvary`` is what ``pcast(to="varying")`` binds in
+# jax 0.10) and the parameters read of it ("a|b": whichever of them this jax names).
+# tests/test_compat.py builds each role on the installed jax and checks its jaxpr has them.
+# A higher-order primitive not in this table is left alone by the rewrite, and its report
+# says so.
+
+
+class JaxprPrimitive(NamedTuple):
+  names: tuple  # the names it has had; one of them is the installed jax's
+  bodies: tuple  # the parameters holding the jaxprs the rewrite reads (a tuple of them: cond's)
+  params: tuple = ()  # the other parameters read ("a|b": whichever of the two this jax names)
+
+
+PRIMITIVES = {
+    # Calls: inlined for the matcher, their body rewritten.
+    "jit": JaxprPrimitive(("jit", "pjit"), ("jaxpr",), ("name",)),
+    "closed_call": JaxprPrimitive(("closed_call", "core_call"), ("call_jaxpr",)),
+    # Evaluated again under jax.checkpoint with the same policy.
+    "checkpoint": JaxprPrimitive(("remat2", "checkpoint", "remat"), ("jaxpr",),
+                                 ("prevent_cse", "policy")),
+    # Control flow: each body rewritten to a jaxpr of the same signature.
+    "scan": JaxprPrimitive(("scan",), ("jaxpr",)),
+    "while": JaxprPrimitive(("while",), ("cond_jaxpr", "body_jaxpr")),
+    "cond": JaxprPrimitive(("cond",), ("branches",)),
+    # Functions with rules of their own: the primal body rewritten, the rules kept.
+    "custom_jvp_call": JaxprPrimitive(("custom_jvp_call",), ("call_jaxpr",)),
+    "custom_vjp_call": JaxprPrimitive(("custom_vjp_call",), ("call_jaxpr",)),
+    # Evaluated again under jax.shard_map (``shard_map_of``).
+    "shard_map": JaxprPrimitive(("shard_map",), ("jaxpr",), (
+        "mesh", "in_specs", "out_specs", "check_vma|check_rep", "newly_manual_axes|manual_axes")),
+    # A value made varying over manual mesh axes (``is_varying_cast``): the same value.
+    "pvary": JaxprPrimitive(("pvary", "pcast"), ()),
+}
+
+
+def primitive_names(*roles: str) -> frozenset:
+  """Every name the primitives of ``roles`` (keys of ``PRIMITIVES``) have had."""
+  return frozenset(n for r in roles for n in PRIMITIVES[r].names)
+
+
+def bodies(name: str) -> tuple:
+  """The parameters holding the jaxprs of the primitive ``name`` that the rewrite reads; () for
+  a primitive not in ``PRIMITIVES`` (or one with no body)."""
+  return next((p.bodies for p in PRIMITIVES.values() if name in p.names), ())
+
+
+def param(params: dict, name: str, default=None):
+  """The parameter ``name`` ("a|b": the first of them present) of an equation's ``params``."""
+  for n in name.split("|"):
+    if n in params:
+      return params[n]
+  return default
+
+
+def is_varying_cast(eqn) -> bool:
+  """Whether the equation makes its one operand varying over mesh axes (its value unchanged)."""
+  name = eqn.primitive.name
+  # A jax that binds ``pcast`` itself says where to in its parameter ``to``.
+  return len(eqn.invars) == 1 and len(eqn.outvars) == 1 and name in PRIMITIVES["pvary"].names and (
+      name != "pcast" or str(eqn.params.get("to", "")).endswith("varying"))
 
 
 # ----------------------------------------------------------------------------

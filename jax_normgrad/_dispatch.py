@@ -512,11 +512,12 @@ def _equations(jaxpr, where: str):
         for found in _equations(inner, here):
           key = (found[0].primitive, str(found[0].params), found[1],
                  tuple(str(v.aval) for v in found[0].invars))
-          if eqn.primitive.name != "cond" or key not in seen:
+          if eqn.primitive.name not in _COND or key not in seen:
             seen.add(key)
             yield found
 
 
+_COND = _compat.primitive_names("cond")
 _NOT_USER = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, jaxlib))
 
 

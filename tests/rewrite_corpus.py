@@ -140,6 +140,16 @@ def gn_nhwc_silu(x, w, b):
   return jax.nn.silu(y)
 
 
+def gn_sum_times_one_pass(x, w, b):
+  """The mean as ``sum * (1 / n)`` (n = 30: 1/n rounded in float32), the variance one-pass."""
+  n, h, wd, c = x.shape
+  xg = x.reshape(n, h, wd, 8, c // 8)
+  inv_n = 1.0 / (h * wd * (c // 8))
+  m = jnp.sum(xg, (1, 2, 4), keepdims=True) * inv_n
+  v = jnp.sum(xg * xg, (1, 2, 4), keepdims=True) * inv_n - m * m
+  return ((xg - m) * jax.lax.rsqrt(v + EPS)).reshape(x.shape) * w + b
+
+
 def gn_nchw(x, w, b):
   """Channels first (x transposed in and out): a reshape to (N, G, C/G*H*W), the statistics over the last axis.
 
@@ -189,6 +199,7 @@ FORMS = {
     "rms_folded": Form(rms_folded, "rms_norm"),
     "rms_per_head": Form(rms_per_head, "rms_norm"),
     "gn_nhwc_silu": Form(gn_nhwc_silu, "group_norm", group=True),
+    "gn_sum_times_one_pass": Form(gn_sum_times_one_pass, "group_norm", group=True),
     "gn_nchw": Form(gn_nchw, "layer_norm", group=True),
     "ln_residual": Form(ln_residual, "add_layer_norm"),
     "ln_stats_used": Form(ln_stats_used, "layer_norm"),
@@ -229,6 +240,32 @@ def mean_only(x, w, b):
 
 NEGATIVES = {f.__name__: f for f in (eps_outside_sqrt, batch_axis_stats, l2_normalize,
                                      l2_normalize_eps, softmax, mean_only)}
+
+
+@jax.custom_jvp
+def damped_rsqrt(v):
+  """rsqrt whose derivative is damped (half rsqrt's): not the op's derivative."""
+  return jax.lax.rsqrt(v)
+
+
+damped_rsqrt.defjvp(lambda p, t: (damped_rsqrt(p[0]), -0.25 * t[0] * damped_rsqrt(p[0]) ** 3))
+
+
+# ----------------------------------------------------------------------------
+# Activations after a GroupNorm (tests/test_rewrite_semantics.py, tests/test_rewrite_fuzz.py).
+
+#: name -> (activation code, the op's activation it is fused as; None: left as written).
+ACTIVATION_FORMS = {
+    "maximum": (lambda y: jnp.maximum(y, 0.0), None),  # derivative 0.5 at 0
+    "maximum_zero_first": (lambda y: jnp.maximum(0.0, y), None),
+    "where_ge": (lambda y: jnp.where(y >= 0, y, 0.0), None),  # derivative 1 at 0
+    "nn_relu": (jax.nn.relu, "relu"),  # a custom_jvp: derivative 0 at 0, as the op's
+    "mul_gt": (lambda y: y * (y > 0), "relu"),
+    "nn_silu": (jax.nn.silu, "silu"),
+    "sigmoid_form": (lambda y: y * jax.nn.sigmoid(y), "silu"),
+    "nn_gelu_tanh": (jax.nn.gelu, "gelu"),
+    "nn_gelu_erf": (lambda y: jax.nn.gelu(y, approximate=False), None),
+}
 
 
 @functools.cache

@@ -81,22 +81,13 @@ def test_custom_rules_are_kept(norm):
   assert kernel_calls(jn.rewrite(f), x, w, b) == 1  # the primal on the kernel
 
 
-@jax.custom_jvp
-def _damped_rsqrt(v):
-  """rsqrt whose derivative is damped (half rsqrt's): not the op's derivative."""
-  return jax.lax.rsqrt(v)
-
-
-_damped_rsqrt.defjvp(lambda p, t: (_damped_rsqrt(p[0]), -0.25 * t[0] * _damped_rsqrt(p[0]) ** 3))
-
-
 def test_statistics_through_a_custom_rule_are_left_alone():
   """A norm whose rsqrt is a custom_jvp function: the op would replace its rule, so it runs as written."""
   x, w, b, ct = rc.inputs(False, F32)
 
   def f(x, w, b):
     m = x.mean(-1, keepdims=True)
-    return (x - m) * _damped_rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + rc.EPS) * w + b
+    return (x - m) * rc.damped_rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + rc.EPS) * w + b
 
   _same_as_plain(f, (x, w, b), ct)
   report = jn.explain_rewrite(f, x, w, b)
@@ -117,24 +108,10 @@ def _gn(x, w, b):
   return ((xg - m) * jax.lax.rsqrt(v + rc.EPS)).reshape(x.shape) * w + b
 
 
-#: name -> (activation code, the op's activation it is fused as; None: left as written).
-ACTIVATION_FORMS = {
-    "maximum": (lambda y: jnp.maximum(y, 0.0), None),  # derivative 0.5 at 0
-    "maximum_zero_first": (lambda y: jnp.maximum(0.0, y), None),
-    "where_ge": (lambda y: jnp.where(y >= 0, y, 0.0), None),  # derivative 1 at 0
-    "nn_relu": (jax.nn.relu, "relu"),  # a custom_jvp: derivative 0 at 0, as the op's
-    "mul_gt": (lambda y: y * (y > 0), "relu"),
-    "nn_silu": (jax.nn.silu, "silu"),
-    "sigmoid_form": (lambda y: y * jax.nn.sigmoid(y), "silu"),
-    "nn_gelu_tanh": (jax.nn.gelu, "gelu"),
-    "nn_gelu_erf": (lambda y: jax.nn.gelu(y, approximate=False), None),
-}
-
-
-@pytest.mark.parametrize("name", sorted(ACTIVATION_FORMS))
+@pytest.mark.parametrize("name", sorted(rc.ACTIVATION_FORMS))
 def test_fused_activation_keeps_the_codes_derivative(name):
   """A GroupNorm's activation at a constant sample (its y exactly 0, a tie of max and where)."""
-  act, fused = ACTIVATION_FORMS[name]
+  act, fused = rc.ACTIVATION_FORMS[name]
   x, w, b, ct = rc.inputs(True, F32)
   x, b = x.at[0].set(0.0), jnp.zeros_like(b)
   f = lambda x, w, b: act(_gn(x, w, b))

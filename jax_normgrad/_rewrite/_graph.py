@@ -25,7 +25,7 @@ from jax_normgrad import _compat
 #: Call primitives inlined for the analysis (their bodies are plain code). A ``custom_jvp``
 #: function is not: its own rule differentiates it, so its equations are rewritten only in its
 #: primal body (where that rule still applies), never matched with the code around it.
-INLINED = ("pjit", "jit", "closed_call", "core_call")
+INLINED = _compat.primitive_names("jit", "closed_call")
 #: The largest value, in elements, evaluated at trace time.
 MAX_CONST_ELEMENTS = 4096
 
@@ -97,15 +97,16 @@ class Graph:
     """
     for e in jaxpr.eqns:
       name = e.primitive.name
-      if name in INLINED and ("jaxpr" in e.params or "call_jaxpr" in e.params):
-        inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+      body = _compat.bodies(name)
+      if name in INLINED and body[0] in e.params:
+        inner = e.params[body[0]]
         closed = inner if isinstance(inner, jcore.ClosedJaxpr) else None
         inner_jaxpr = _renamed(closed.jaxpr if closed is not None else inner)
         for v, c in zip(inner_jaxpr.constvars, closed.consts if closed is not None else ()):
           self._set_const(v, c)
         for v, a in zip(inner_jaxpr.invars, e.invars):
           self.alias[v] = self.resolve(a)
-        self._flatten(inner_jaxpr, path + (e.params.get("name", name),))
+        self._flatten(inner_jaxpr, path + (_compat.param(e.params, "name", name),))
         for o, a in zip(e.outvars, inner_jaxpr.outvars):
           if not _compat.is_drop_var(o):
             self.alias[o] = self.resolve(a)
@@ -114,7 +115,7 @@ class Graph:
               if not is_literal(self.alias[o]):  # a jitted helper may return a Python constant
                 self.exposed.setdefault(self.alias[o], o)
         continue
-      if _value_identity(e):
+      if _compat.is_varying_cast(e):
         # A type cast that leaves the value as it is (shard_map's pvary of a constant or a
         # replicated parameter): the same value to the matcher.
         self.alias[e.outvars[0]] = source = self.resolve(e.invars[0])
@@ -234,9 +235,3 @@ class Graph:
       dims |= set.intersection(*map(set, sets)) if sets else set()
     return frozenset(dims)
 
-
-def _value_identity(e) -> bool:
-  """An equation whose one result is its one operand's value: ``pvary`` / ``pcast`` to varying."""
-  name = e.primitive.name
-  return len(e.invars) == 1 and len(e.outvars) == 1 and (
-      name == "pvary" or (name == "pcast" and str(e.params.get("to", "")).endswith("varying")))

@@ -119,9 +119,11 @@ def _ancestors(g: Graph, var, stop) -> set:
   return seen
 
 
+#: A custom_jvp function (``jax.nn.relu``) among an activation's steps.
+_CUSTOM_JVP = _compat.primitive_names("custom_jvp_call")
 _ACT_PRIMS = ("logistic", "mul", "add", "sub", "div", "neg", "max", "min", "tanh", "exp",
               "integer_pow", "pow", "convert_element_type", "erf", "sqrt", "rsqrt", "abs",
-              "square", "select_n", "ge", "gt", "le", "lt", "custom_jvp_call")
+              "square", "select_n", "ge", "gt", "le", "lt", *_CUSTOM_JVP)
 #: The points an activation is compared at: ties (0, where ``max`` and ``where`` differ in
 #: their derivative) included.
 _ACT_TEST = np.linspace(-8.0, 8.0, 161, dtype=np.float32)
@@ -160,7 +162,7 @@ def _activation(g: Graph, y):
       continue
     eqns = [g.eqns[j] for j in chosen]
     test = _ACT_TEST
-    if any(e.primitive.name == "custom_jvp_call" for e in eqns):
+    if any(e.primitive.name in _CUSTOM_JVP for e in eqns):
       # Its jaxprs are of y's shape: the points repeated over it.
       if math.prod(y.aval.shape) > MAX_ACT_ELEMENTS:
         continue
@@ -192,7 +194,7 @@ def _act_eqn(g: Graph, e, avail) -> bool:
     return False
   # A custom_jvp function (jax.nn.relu) of one value of its result's shape; evaluated below
   # with its own rule.
-  return e.primitive.name != "custom_jvp_call" or (
+  return e.primitive.name not in _CUSTOM_JVP or (
       len(e.invars) == 1 and e.invars[0].aval.shape == e.outvars[0].aval.shape)
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from jax_normgrad import _compat
 from jax_normgrad._rewrite import _algebra as al
 from jax_normgrad._rewrite._graph import Graph, is_literal
 
@@ -237,6 +238,24 @@ def _operand(cand: Candidate, atom, dims_like, dtype):
   return Abs(al.poly_const(al.ONE, ((f, 1),)), None, dtype), ext
 
 
+def _exact_mean(cand: Candidate, stat: Abs, c: Abs, dtype) -> Abs:
+  """The constant ``c`` of ``stat * c``: exactly 1/n where ``stat`` is a row statistic and ``c``
+  is 1/n rounded to ``dtype``, n the candidate's reduced size (``sum(x) * (1 / n)``, a mean).
+
+  In float64 the rounded 1/n is not 1/n: a one-pass variance would then not cancel to
+  the variance (by a relative 1e-8 of the mean squared), where the code's arithmetic
+  rounds as much in its mean.
+  """
+  r, row = al.pure_row(c.poly), al.pure_row(stat.poly)
+  if r is None or row is None or not al.is_const(r):
+    return c
+  n = math.prod(cand.sizes[l] for l in cand.reduced if cand.sizes[l] > 1)
+  v = al.value_of(r)
+  if v != 1.0 / n and abs(v - 1.0 / n) <= float(jnp.finfo(dtype).eps) / n:
+    return c._replace(poly=al.poly_const(al.const(1.0 / n)))
+  return c
+
+
 def _binary(cand: Candidate, e, a, b):
   """Transfer of an elementwise binary op; returns the output's (poly, dims)."""
   name = e.primitive.name
@@ -254,6 +273,11 @@ def _binary(cand: Candidate, e, a, b):
   else:
     ext = eb if in_a else ea
     dims = _broadcast_ext_layout(ref.dims, ext) if ext else ref.dims
+  if name == "mul" and in_b != in_a:
+    if in_a:
+      pb = _exact_mean(cand, pa, pb, dtype)
+    else:
+      pa = _exact_mean(cand, pb, pa, dtype)
   P, Q = pa.poly, pb.poly
   if name == "add":
     return al.poly_add(P, Q), dims
@@ -439,7 +463,7 @@ def _select_n(cand: Candidate, e):
 
 BINARY = ("add", "sub", "mul", "div", "max", "min", "pow")
 #: Functions with derivative rules of their own (not inlined: ``_graph.INLINED``).
-CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call")
+CUSTOM_CALLS = _compat.primitive_names("custom_jvp_call", "custom_vjp_call")
 #: The start of the reason given where the statistics pass through one.
 CUSTOM_RULE = "the statistics pass through a function with a custom derivative"
 #: Reasons that explain a candidate's other failures, reported first.

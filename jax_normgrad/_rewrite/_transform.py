@@ -39,12 +39,12 @@ from jax_normgrad.ops.group_norm import group_norm
 from jax_normgrad.ops.layer_norm import layer_norm
 from jax_normgrad.ops.rms_norm import rms_norm
 
-_CLOSED_PARAMS = {  # primitive -> its params holding ClosedJaxprs of the same signature when rewritten
-    "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",),
-    "scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",),
-    "custom_jvp_call": ("call_jaxpr",), "custom_vjp_call": ("call_jaxpr",),
-}
-_REMAT = ("remat2", "checkpoint", "remat")
+#: Primitives whose bodies (ClosedJaxprs) are rewritten to jaxprs of the same signature and
+#: bound again (the names and parameters: ``_compat.PRIMITIVES``).
+_REBOUND = _compat.primitive_names("jit", "closed_call", "scan", "while", "cond",
+                                   "custom_jvp_call", "custom_vjp_call")
+_REMAT = _compat.primitive_names("checkpoint")
+_SHARD_MAP = _compat.primitive_names("shard_map")
 
 
 class _Rewriter:
@@ -104,29 +104,51 @@ class _Rewriter:
     params = dict(e.params)
     sub = f"{where} > {name}" if where else name
     if name in _REMAT:
-      inner = params["jaxpr"]
+      (body,) = _compat.bodies(name)
+      inner = params[body]
       fun = lambda *a: self.run(inner, (), a, sub)
-      outs = jax.checkpoint(fun, prevent_cse=params.get("prevent_cse", True),
-                            policy=params.get("policy"))(*invals)
+      prevent_cse, policy = _compat.PRIMITIVES["checkpoint"].params
+      outs = jax.checkpoint(fun, prevent_cse=params.get(prevent_cse, True),
+                            policy=params.get(policy))(*invals)
       return outs
-    if name == "shard_map" and not params["jaxpr"].constvars:
-      make = _compat.shard_map_of(params)
+    if name in _SHARD_MAP:
+      (body,) = _compat.bodies(name)
+      inner = params[body]
+      make = None if inner.constvars else _compat.shard_map_of(params)
       if make is not None:
-        inner = params["jaxpr"]
         return list(make(lambda *a: tuple(self.run(inner, (), a, sub)))(*invals))
-    for key in _CLOSED_PARAMS.get(name, ()):
+      self.left_alone(e, where, "a shard_map whose body has constants of its own, or whose "
+                      "parameters this jax names otherwise")
+    elif name not in _REBOUND and next(jcore.jaxprs_in_params(e.params), None) is not None:
+      self.left_alone(e, where, f"a {name}, a higher-order primitive the rewrite does not know")
+    for key in _compat.bodies(name) if name in _REBOUND else ():
       val = params[key]
       if isinstance(val, tuple):
         params[key] = tuple(self.rewrite_closed(c, f"{sub}[{i}]") for i, c in enumerate(val))
       elif isinstance(val, jcore.ClosedJaxpr):
-        params[key] = self.rewrite_closed(val, f"{sub}({params.get('name', '')})"
-                                          if params.get("name") else sub)
+        call = _compat.param(params, "name")  # a jit's function's name
+        params[key] = self.rewrite_closed(val, f"{sub}({call})" if call else sub)
     if params != e.params:
       e = e.replace(params=params)
     with source_info_util.user_context(e.source_info.traceback,
                                        name_stack=e.source_info.name_stack):
       out = _compat.bind_equation(e, invals)
     return out if e.primitive.multiple_results else [out]
+
+  def left_alone(self, e, where, what):
+    """Reports ``e``, whose bodies run as written, as left alone, with the norms found in them."""
+    found = 0
+    for inner in jcore.jaxprs_in_params(e.params):
+      try:
+        found += len(_identify.find(Graph(inner))[0])
+      except Exception:  # pylint: disable=broad-except
+        pass  # a body the matcher cannot read (a kernel's) holds no norm it could rewrite
+    out = next((o for o in e.outvars if hasattr(o.aval, "shape")), None)
+    self.report.add_miss(_identify.NearMiss(
+        tuple(getattr(getattr(out, "aval", None), "shape", ())),
+        getattr(getattr(out, "aval", None), "dtype", jnp.float32),
+        f"{what}: its body runs as written ({found} norm(s) found in it left alone)",
+        source_info_util.summarize(e.source_info)), where)
 
   def rewrite_closed(self, closed, where):
     """The closed jaxpr with its norms rewritten; the same object when there were none."""
