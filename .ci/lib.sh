@@ -12,3 +12,58 @@ for name in sys.argv[1:]:
                     else p["project"]["optional-dependencies"][name]))
 PY
 }
+
+# version_stage_tests: the pytest arguments of the version stages (.ci/oldest-jax,
+# .ci/newest-jax), one a line. Their rule: a test module runs whole where what it
+# tests reaches API that differs between jax versions, judged by what the module
+# imports and calls:
+#   * jax_normgrad/_compat.py's users: the dispatcher (test_dispatch), the GPU target
+#     and its abstract devices (test_gpu_target), the partitioning rules and shard_map
+#     (test_sharding), the Pallas lowerings and interpreters (test_pallas,
+#     test_tpu_interpret, test_triton_deprecation; test_add_norm, whose Pallas and Mosaic
+#     GPU classes and exports are the residual form's), the rewrite's jaxpr reading
+#     (test_rewrite, test_rewrite_frameworks);
+#   * jax.export (test_forward, and the modules above);
+#   * custom_vjp and the primitives' JVPs under jax's transformations, to any order
+#     (test_higher_order), the settings read at trace and lowering time (test_settings);
+#   * the FFI calls: registration, attributes and error returns (test_kernels, less its
+#     ISA builds' checks: C++ alone, .ci/isa-builds);
+#   * the flax and equinox APIs the drop-ins and patch() call (test_dropin_flax,
+#     test_dropin_equinox, test_patch; pip picks those libraries' releases per jax).
+# The rest, a smoke: each op suite's default (C++ kernel) class, its forward and backward
+# ops through this jax's FFI. Not run (the same on any jax; the README's test command runs
+# them): the layers under jit and vmap (test_layers: the primitives' own batching rules),
+# the op suites' other classes and tests (jnp references, option checks, and their
+# interpreted Pallas and Mosaic GPU kernels, whose lowerings and interpreters test_pallas,
+# test_tpu_interpret and test_add_norm reach), the C++ kernels alone (test_properties,
+# test_streaming, test_nonfinite, test_sizes, test_concurrency, test_malloc), the
+# trace-time argument checks (test_validation, test_validation_family), the package's
+# files and docs (test_imports, test_docs, test_readme, test_cli, test_notebooks), the
+# benchmark tools (test_benchmarks: each stage runs the smoke runs that reach jax's
+# internals itself), the vendored flax/equinox suites (test_third_party, pinned to the
+# newest releases) and the examples (test_examples: .ci/examples).
+version_stage_tests() {
+  printf '%s\n' \
+    tests/test_dispatch.py tests/test_gpu_target.py tests/test_sharding.py \
+    tests/test_pallas.py tests/test_tpu_interpret.py tests/test_triton_deprecation.py \
+    tests/test_add_norm.py tests/test_rewrite.py tests/test_rewrite_frameworks.py \
+    tests/test_forward.py tests/test_higher_order.py \
+    tests/test_settings.py tests/test_kernels.py \
+    tests/test_dropin_flax.py tests/test_dropin_equinox.py tests/test_patch.py \
+    tests/test_layer_norm.py::TestLayerNormDefault::test_forward \
+    tests/test_layer_norm.py::TestLayerNormDefault::test_backward \
+    tests/test_rms_norm.py::TestRmsNormDefault::test_forward \
+    tests/test_rms_norm.py::TestRmsNormDefault::test_backward \
+    tests/test_group_norm.py::TestGroupNormDefault::test_forward \
+    tests/test_group_norm.py::TestGroupNormDefault::test_backward \
+    tests/test_layer_norm_grad.py::TestLayerNormGradDefault::test_layer_norm_grad \
+    tests/test_layer_norm_options.py::TestLayerNormOptionsDefault::test_save_normalized \
+    --deselect=tests/test_add_norm.py::TestAddNormXla \
+    --deselect=tests/test_kernels.py::test_isa_selection \
+    --deselect=tests/test_kernels.py::test_isa_builds_share_only_baseline_code \
+    --deselect=tests/test_kernels.py::test_other_isa_builds_are_correct_too \
+    --deselect=tests/test_kernels.py::test_generic_isa_float16_conversions_match_f16c \
+    --deselect=tests/test_kernels.py::test_bfloat16_vector_conversions_match_scalar \
+    --deselect=tests/test_kernels.py::test_16_wide_vector_conversions_match_8_wide \
+    --deselect=tests/test_kernels.py::test_avx512bf16_build_computes_the_avx2_builds_bits
+}

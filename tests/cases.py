@@ -17,6 +17,12 @@ from jax_normgrad import _dispatch
 
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 MASKS = list(itertools.product([True, False], repeat=3))
+#: The output masks whose paths differ in the Pallas and Mosaic GPU backward kernels (dx or
+#: not; none, one or both parameter gradients' partials, and which one): for their
+#: interpreted op suites, which run every gradient in test_backward; tests/test_pallas.py
+#: runs every mask through both kernel sets.
+KERNEL_MASKS = [(True, False, False), (False, True, False), (True, False, True),
+                (False, True, True), (False, False, False)]
 
 # (x shape, normalized_shape): non-powers of two, multi-axis, rows of 1, empty.
 LN_CASES = [
@@ -134,6 +140,21 @@ def narrow(request, reason: str, tests=(), **allowed):
   params = params.params if params else {}
   if request.node.originalname in tests or any(
       name in params and params[name] not in values for name, values in allowed.items()):
+    pytest.skip(reason)
+
+
+def narrow_rotated(request, reason, key: str, values, choice: str, choices) -> None:
+  """Skips the test of ``request`` unless its ``choice`` parameter is the one that
+  :func:`rotate` pairs with its ``key`` parameters' value in ``values`` (``key``: one name,
+  or several, comma-separated, as in ``parametrize``): each value once, ``choices`` cycling
+  alongside, for the suites whose cases are ``pytest.mark.parametrize``'d."""
+  params = getattr(request.node, "callspec", None)
+  params = params.params if params else {}
+  names = key.split(",")
+  if choice not in params or not all(n in params for n in names):
+    return
+  value = tuple(params[n] for n in names) if len(names) > 1 else params[names[0]]
+  if params[choice] is not choices[values.index(value) % len(choices)]:
     pytest.skip(reason)
 
 

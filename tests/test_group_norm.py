@@ -214,25 +214,35 @@ class TestGroupNormXla(GroupNormOpTests):
   implementation = "xla"
 
 
+# Per layout, the output masks whose kernel paths differ (cases.KERNEL_MASKS): dx with
+# none or one parameter gradient, and without dx one or both (test_backward has all three).
+KERNEL_MASK_RUNS = [(False, (True, False, False)), (False, (False, True, False)),
+                    (False, (False, True, True)), (True, (True, False, False)),
+                    (True, (False, False, True)), (True, (True, False, True))]
+
+
 class TestGroupNormPallas(GroupNormOpTests):
-  """The Pallas kernels, interpreted on CPU: every case once, dtype, presence of
-  gamma and, for the output masks, the layout rotating."""
+  """The Pallas kernels, interpreted on CPU: every case once, dtype and presence of
+  gamma rotating; the output masks whose paths differ, in each layout; one 16-bit
+  dtype beside float32 parameters."""
 
   implementation = "pallas"
   cases = {
       "dtype,with_gamma,shape,n,c,hw,group,channels_last": rotate(GN_CASES, DTYPES,
                                                                     [True, False]),
       "dtype,shape,n,c,hw,group,channels_last": rotate(GN_CASES, DTYPES),
-      "channels_last,mask": rotate([(m,) for m in MASKS], [False, True]),
+      "channels_last,mask": KERNEL_MASK_RUNS,
       **GroupNormOpTests.cases,
+      "half_dtype": [jnp.bfloat16],  # 16-bit x beside float32 parameters: the kernels convert
   }
 
 
 # Mosaic GPU: rows of more than one 256-wide chunk in both layouts (C = 300
 # channels-last, HW = 300 NCHW), NCHW segments held whole (HW = 128: a
 # segment of 2 channels is one row of two chunks), and fewer rows than
-# GN_CASES' largest.
-MOSAIC_GPU_CASES = [c for c in GN_CASES if c[0] not in ((4, 64, 9), (5, 96, 33))] + [
+# GN_CASES' largest; channels-last groups of 3 channels in 12 rows, not 105.
+MOSAIC_GPU_CASES = [c if c[0] != (3, 5, 7, 12) else ((2, 2, 3, 12), 2, 12, 6, 4, True)
+                    for c in GN_CASES if c[0] not in ((4, 64, 9), (5, 96, 33))] + [
     ((2, 4, 300), 2, 300, 4, 10, True),
     ((2, 8, 300), 2, 8, 300, 2, False),
     ((2, 8, 128), 2, 8, 128, 4, False),

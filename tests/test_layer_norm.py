@@ -11,7 +11,7 @@ import pytest
 
 import jax_normgrad as jn
 import cases
-from cases import DTYPES, LN_CASES, LONG_ROW, MASKS, kernel_launches, random, rotate
+from cases import DTYPES, KERNEL_MASKS, LN_CASES, LONG_ROW, MASKS, kernel_launches, random, rotate
 import reference_np as ref
 from tolerances import assert_close
 
@@ -338,8 +338,10 @@ class TestLayerNormPallas(LayerNormOpTests):
   """The Pallas kernels, interpreted on CPU (about 1.5 s of compilation per test).
 
   Every case once, with the dtype and the presence of weight rotating rather
-  than multiplied out; a 70,000-long row (chunked: longer than one tile) for
-  the 1,000,003-long one; fewer rows for determinism.
+  than multiplied out; the output masks whose kernel paths differ; a
+  70,000-long row (chunked: longer than one tile) for the 1,000,003-long one;
+  fewer rows for determinism; the mixed result dtypes with one 16-bit dtype
+  (the kernels only convert) on one shape (the op reshapes the other).
   """
 
   implementation = "pallas"
@@ -347,9 +349,12 @@ class TestLayerNormPallas(LayerNormOpTests):
       "dtype,with_weight,shape,norm_shape": rotate(LN_CASES, DTYPES, [True, False]),
       "dtype,shape,norm_shape": rotate(LN_CASES, DTYPES),
       **LayerNormOpTests.cases,
+      "mask": KERNEL_MASKS,
+      "half_dtype": [jnp.bfloat16],
   }
   long_row = ((2, 70_000), (70_000,))
   deterministic_shape = (515, 257)
+  mixed_shapes = [((5, 130), (130,))]
 
 
 MOSAIC_GPU_CASES = [c for c in LN_CASES if c[0] != (301, 257)]
@@ -362,7 +367,8 @@ class TestLayerNormMosaicGpu(LayerNormOpTests):
 
   Every case once but the 301 x 257 one (the interpreter walks each row;
   ``deterministic_shape`` has those 257-long rows, padded to two chunks, with
-  many rows per CTA), the dtype and the presence of weight rotating.
+  many rows per CTA), the dtype and the presence of weight rotating; the
+  output masks and mixed result dtypes as TestLayerNormPallas.
   """
 
   implementation = "mosaic_gpu"
@@ -374,6 +380,7 @@ class TestLayerNormMosaicGpu(LayerNormOpTests):
   }
   long_row = ((2, 4_100), (4_100,))
   deterministic_shape = (37, 257)  # 13 rows per CTA, padded to 512 columns
+  mixed_shapes = TestLayerNormPallas.mixed_shapes
 
   @pytest.fixture(autouse=True)
   def _narrow(self, request):

@@ -11,7 +11,7 @@ import pytest
 
 import jax_normgrad as jn
 import cases
-from cases import DTYPES, kernel_launches, narrow, random, runs_kernels
+from cases import DTYPES, kernel_launches, narrow, narrow_rotated, random, runs_kernels
 import reference_np as ref
 from tolerances import assert_close
 
@@ -28,6 +28,8 @@ GRAD_CASES = [
     ((9, 1), True, "none"),
     ((0, 64), False, "float32"),
 ]
+# (x shape, normalized_shape) of the InfiniOp bias gradient.
+BETA_CASES = [((2, 32, 16), None), ((4, 6, 10), (6, 10)), ((0, 16), 16)]
 
 
 def _exact_mean_rows(rng, shape):
@@ -103,8 +105,7 @@ class LayerNormGradTests:
     assert_close(pd_x, pd_x_ref - ascendc_only, dtype, 16, "pd_x", scale=ref.dx_scale(dy, rstd, gamma))
 
   @pytest.mark.parametrize("dtype", DTYPES)
-  @pytest.mark.parametrize("shape,norm_shape", [((2, 32, 16), None), ((4, 6, 10), (6, 10)),
-                                                ((0, 16), 16)])
+  @pytest.mark.parametrize("shape,norm_shape", BETA_CASES)
   def test_layer_norm_grad_beta(self, rng, dtype, shape, norm_shape):
     dy = random(rng, shape, dtype)
     res = random(rng, shape, dtype)
@@ -205,7 +206,16 @@ class TestLayerNormGradXla(LayerNormGradTests):
 
 
 class TestLayerNormGradPallas(LayerNormGradTests):
+  """The Pallas kernels, interpreted on CPU: every case once, the dtype rotating alongside
+  (the kernels only convert it)."""
+
   implementation = "pallas"
+
+  @pytest.fixture(autouse=True)
+  def _rotate(self, request):
+    reason = "interpreted Pallas: each case once, the dtype rotating"
+    narrow_rotated(request, reason, "shape,keepdim,weight_kind", GRAD_CASES, "dtype", DTYPES)
+    narrow_rotated(request, reason, "shape,norm_shape", BETA_CASES, "dtype", DTYPES)
 
 
 @cases.needs_mosaic_gpu

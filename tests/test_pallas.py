@@ -70,9 +70,12 @@ def _grad_of(norm):
 # Lowering for GPU and TPU
 
 
+# One width per tile plan (config.gpu_plan, the TPU kernels' layout): a small tile of two
+# stages (768 to 1000), a large one of one stage (4096 to 8192), and a backward in two
+# chunks, whose TPU kernels chunk it too in bfloat16 (12288).
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("hidden", [768, 1000, 4096, 5120, 12288])
+@pytest.mark.parametrize("hidden", [1000, 4096, 12288])
 def test_layer_norm_grad_lowers_to_pallas(platform, dtype, hidden):
   text = _export_text(_grad_of(jn.layer_norm),
                       (_sds((4, 8, hidden), dtype), _sds((hidden,), dtype), _sds((hidden,), dtype)),
@@ -884,14 +887,15 @@ def test_fixed_order_sum_and_moments(rng, n):
 
 @needs_mosaic_gpu
 def test_mosaic_gpu_many_cta_partials(rng):
-  # More CTAs than the chain's 16: LayerNorm's dweight / dbias partials of 20 CTAs and a
-  # channels-last GroupNorm's moments and sums of 17 CTAs per sample, reduced by the tree.
-  x, dy = random(rng, (40, 256), F32, offset=0.5), random(rng, (40, 256), F32)
+  # More CTAs than the chain's 16: LayerNorm's dweight / dbias partials of 17 CTAs (a row
+  # each: the interpreter walks every row) and a channels-last GroupNorm's moments and sums
+  # of 17 CTAs per sample, reduced by the tree (an odd last term carried up).
+  x, dy = random(rng, (17, 256), F32, offset=0.5), random(rng, (17, 256), F32)
   w, b = random(rng, (256,), F32, offset=1.0), random(rng, (256,), F32)
   gx, gct = random(rng, (1, 34, 8), F32, offset=0.5), random(rng, (1, 34, 8), F32)
   gw, gb = random(rng, (8,), F32, offset=1.0), random(rng, (8,), F32)
   cases = [(lambda x, w, b, impl: jn.layer_norm(x, w, b, implementation=impl), (x, w, b), dy,
-            20, 40),
+            17, 17),
            (lambda x, w, b, impl: jn.group_norm(x, 2, w, b, channel_axis=-1, implementation=impl),
             (gx, gw, gb), gct, 17, 136)]
   for layer, args, ct, programs, reduced in cases:

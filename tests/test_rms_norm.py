@@ -11,7 +11,7 @@ import pytest
 
 import jax_normgrad as jn
 import cases
-from cases import DTYPES, kernel_launches, narrow, random, runs_kernels
+from cases import DTYPES, kernel_launches, narrow, narrow_rotated, random, runs_kernels
 import reference_np as ref
 from tolerances import assert_close
 
@@ -166,7 +166,16 @@ class TestRmsNormXla(RmsNormTests):
 
 
 class TestRmsNormPallas(RmsNormTests):
+  """The Pallas kernels, interpreted on CPU: every case once, the dtype rotating alongside
+  (the kernels only convert it), and the presence of weight rotating over the dtypes."""
+
   implementation = "pallas"
+
+  @pytest.fixture(autouse=True)
+  def _rotate(self, request):
+    reason = "interpreted Pallas: each case once, the dtype rotating"
+    narrow_rotated(request, reason, "shape,norm_shape,weight_dtype", RMS_CASES, "dtype", DTYPES)
+    narrow_rotated(request, reason, "dtype", DTYPES, "with_weight", [True, False])
 
 
 @cases.needs_mosaic_gpu
