@@ -37,3 +37,25 @@ def assert_close(actual, expected, dtype, reduced, name="", scale=None):
   scale = max(float(np.max(np.abs(expected))), scale or 0.0, 1e-30)
   atol = ATOL32 * math.sqrt(max(reduced, 1)) * scale
   np.testing.assert_allclose(actual, expected, rtol=RTOL[jnp.dtype(dtype)], atol=atol, err_msg=name)
+
+
+def assert_group_norm_close(outs, x, weight, bias, cotangent, groups, *, channels_last, dtype,
+                            activation=None):
+  """A GroupNorm layer's ``(y, dx, dweight, dbias)`` (``outs``, for a cotangent of y) against the
+  float64 reference of the contract's math, each to this table's tolerance."""
+  import reference_np as ref  # pylint: disable=g-import-not-at-top  (a sibling test helper)
+  y, dx, dw, db = outs
+  n = x.shape[0]
+  c = x.shape[-1] if channels_last else x.shape[1]
+  hw = x.size // (n * c)
+  z, mean, rstd = ref.gn_fwd(x, weight, bias, n, c, hw, groups, channels_last=channels_last)
+  dz = ref.f64(cotangent)
+  if activation is not None:
+    dz = dz * ref.activation_grad(z, activation)
+  y_ref = z if activation is None else ref.activation(z, activation)
+  dx_ref, dw_ref, db_ref = ref.gn_bwd(dz, x, mean, rstd, weight, n, c, hw, groups, channels_last)
+  block = c // groups * hw
+  assert_close(y, y_ref, dtype, block, "y", scale=ref.fwd_scales(x, rstd, weight)[0])
+  assert_close(dx, dx_ref, dtype, block, "dx", scale=ref.dx_scale(dz, rstd, weight))
+  assert_close(dw, dw_ref, jnp.float32, n * hw, "dweight", scale=float(np.abs(dz).max() * 4))
+  assert_close(db, db_ref, jnp.float32, n * hw, "dbias")
