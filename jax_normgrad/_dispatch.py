@@ -20,10 +20,10 @@ name            what                                        runs on
 The rule. ``implementation=None`` walks the platform's preference list
 (:func:`preferences`): cpu ``ffi, xla``; cuda ``triton, mosaic_gpu, xla``
 (``JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu``: ``mosaic_gpu, triton, xla``); rocm
-``triton, xla`` (``JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu``: ``mosaic_gpu, triton, xla``, the
-Mosaic GPU kernels passed over there with a warning); tpu ``mosaic_tpu, xla``. The first that can run the problem
-runs it; where that is not the first, one ``FallbackWarning`` (once per
-message) names each one passed over and why. ``"pallas"`` is the same list
+``triton, xla`` (the same variable: ``mosaic_gpu, triton, xla``, the Mosaic GPU
+kernels passed over there with a warning); tpu ``mosaic_tpu, xla``. The first
+that can run the problem runs it; where that is not the first, one
+``FallbackWarning`` (once per message) names each one passed over and why. ``"pallas"`` is the same list
 without the CPU kernels (on the CPU: the Triton kernels, interpreted). Any
 other name runs that implementation, or raises ``ValueError`` saying why it
 cannot. A forward whose ``forward`` is "xla" (or "auto", a layer's default,

@@ -489,7 +489,12 @@ def _normalize_kernel(*refs, ids, lay: _Layout, has_weight: bool, has_bias: bool
 
 
 def _compute_dtype(x):
-  return F32 if x.dtype == jnp.float16 else x.dtype
+  return _computed_in(x.dtype)
+
+
+def _computed_in(dtype):
+  """The dtype the TPU kernels compute a ``dtype`` operand in: float16 widened, else its own."""
+  return jnp.dtype(F32) if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
 
 
 def describe(problem, *, interpret) -> common.KernelPlan:
@@ -499,7 +504,7 @@ def describe(problem, *, interpret) -> common.KernelPlan:
   asked for)."""
   del interpret
   seg, mask = problem.seg, problem.mask
-  itemsize = lambda name: _compute_dtype(jnp.zeros((), name)).itemsize
+  itemsize = lambda name: _computed_in(name).itemsize
   if problem.backward:
     lay = _LAYOUTS[seg.kind](seg, min(itemsize(problem.dtype), itemsize(problem.dy_dtype)))
     names = (("bwd_stats",) if mask[0] and not lay.fused else ()) + ("bwd",)
@@ -512,7 +517,6 @@ def describe(problem, *, interpret) -> common.KernelPlan:
   return common.KernelPlan(("fused " if lay.fused else "chunked ") + common.KINDS[seg.kind],
                             tuple(f"jax_normgrad_norm_{n}" for n in names),
                             f"blocks of {block}, grid {grid}")
-
 
 
 def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=None,
@@ -531,13 +535,13 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=N
   h_out = []
   if has_residual:
     data.append(("data", residual.astype(_compute_dtype(residual)).reshape(lay.data_shape)))
-    h_kernel_dtype = _compute_dtype(jnp.zeros((), h_dtype))
+    h_kernel_dtype = _computed_in(h_dtype)
     h_out = [("data", jax.ShapeDtypeStruct(xv.shape, h_kernel_dtype))]
   params = [("param", None if p is None else lay.view_param(p)) for p in (weight, bias)]
   stats = jax.ShapeDtypeStruct(lay.stats_shape, F32)
   stat_outs = [("stats", stats)] * (1 + seg.centered)
   flags = dict(has_weight=weight is not None, has_bias=bias is not None)
-  y_out = [("data", jax.ShapeDtypeStruct(xv.shape, _compute_dtype(jnp.zeros((), out_dtype))))]
+  y_out = [("data", jax.ShapeDtypeStruct(xv.shape, _computed_in(out_dtype)))]
   if lay.fused:
     y, *st = _call(lay, lay.stats_order,
                    functools.partial(_fwd_kernel, lay=lay, eps=eps, has_residual=has_residual,
