@@ -312,6 +312,21 @@ PRIMITIVES = {
 }
 
 
+def jaxprs_in_params(params: dict):
+  """The jaxprs (open ones; a ``ClosedJaxpr``'s ``jaxpr``) an equation's ``params`` hold, as
+  ``jax.extend.core.jaxprs_in_params`` gives them (which jax 0.8 lacks)."""
+  public = getattr(jax_core, "jaxprs_in_params", None)
+  if public is not None:
+    yield from public(params)
+    return
+  for value in params.values():
+    for v in value if isinstance(value, tuple) else (value,):
+      if isinstance(v, jax_core.Jaxpr):
+        yield v
+      elif isinstance(v, jax_core.ClosedJaxpr):
+        yield v.jaxpr
+
+
 def primitive_names(*roles: str) -> frozenset:
   """Every name the primitives of ``roles`` (keys of ``PRIMITIVES``) have had."""
   return frozenset(n for r in roles for n in PRIMITIVES[r].names)

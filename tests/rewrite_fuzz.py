@@ -235,7 +235,11 @@ class TruthProcess:
   """A process with ``jax_enable_x64`` computing :func:`truth`, started once, asked per case."""
 
   def __init__(self):
-    env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")
+    # The tests' folder on the path whatever starts it (under PYTHONSAFEPATH=1, as the version
+    # stages run, Python puts no script's folder there): this file imports its siblings.
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu", PYTHONPATH=path)
     self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 

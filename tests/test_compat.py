@@ -60,7 +60,7 @@ PROBES = {
 def _equations(jaxpr):
   for e in jaxpr.eqns:
     yield e
-    for inner in jax.extend.core.jaxprs_in_params(e.params):
+    for inner in _compat.jaxprs_in_params(e.params):
       yield from _equations(inner)
 
 

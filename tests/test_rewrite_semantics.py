@@ -108,6 +108,9 @@ def _gn(x, w, b):
   return ((xg - m) * jax.lax.rsqrt(v + rc.EPS)).reshape(x.shape) * w + b
 
 
+_OLD_JAX = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 10)
+
+
 @pytest.mark.parametrize("name", sorted(rc.ACTIVATION_FORMS))
 def test_fused_activation_keeps_the_codes_derivative(name):
   """A GroupNorm's activation at a constant sample (its y exactly 0, a tie of max and where)."""
@@ -117,6 +120,10 @@ def test_fused_activation_keeps_the_codes_derivative(name):
   f = lambda x, w, b: act(_gn(x, w, b))
   _same_as_plain(f, (x, w, b), ct)
   (m,) = jn.explain_rewrite(f, x, w, b).matches
+  if name == "nn_relu" and _OLD_JAX:
+    # jax 0.8 does not evaluate the custom_jvp activation's rule at trace time where the
+    # rewrite checks it: not fused, left as written (the safe way; values and gradient above).
+    fused = None
   assert (m.op, m.activation) == ("group_norm", fused), m
   if name.startswith("maximum"):
     assert "derivative at 0 is 0.5, the op's 0" in m.note and m.note in m.line()

@@ -119,7 +119,7 @@ class _Rewriter:
         return list(make(lambda *a: tuple(self.run(inner, (), a, sub)))(*invals))
       self.left_alone(e, where, "a shard_map whose body has constants of its own, or whose "
                       "parameters this jax names otherwise")
-    elif name not in _REBOUND and next(jcore.jaxprs_in_params(e.params), None) is not None:
+    elif name not in _REBOUND and next(_compat.jaxprs_in_params(e.params), None) is not None:
       self.left_alone(e, where, f"a {name}, a higher-order primitive the rewrite does not know")
     for key in _compat.bodies(name) if name in _REBOUND else ():
       val = params[key]
@@ -138,7 +138,7 @@ class _Rewriter:
   def left_alone(self, e, where, what):
     """Reports ``e``, whose bodies run as written, as left alone, with the norms found in them."""
     found = 0
-    for inner in jcore.jaxprs_in_params(e.params):
+    for inner in _compat.jaxprs_in_params(e.params):
       try:
         found += len(_identify.find(Graph(inner))[0])
       except Exception:  # pylint: disable=broad-except
