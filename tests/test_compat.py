@@ -68,11 +68,20 @@ def test_every_role_is_probed():
   assert set(PROBES) == set(_compat.PRIMITIVES)
 
 
+_JAX = tuple(int(v) for v in jax.__version__.split(".")[:2])
+#: Roles whose probe binds none of their names from this jax on: jax 0.12 traces a
+#: checkpointed scan's gradient without a closed_call.
+_NOT_BOUND_FROM = {"closed_call": (0, 12)}
+
+
 @pytest.mark.parametrize("role", sorted(_compat.PRIMITIVES))
 def test_primitive_names_and_params_on_this_jax(role):
   entry = _compat.PRIMITIVES[role]
   jaxpr = jax.make_jaxpr(PROBES[role])(jnp.ones((4, 8), F32)).jaxpr
   found = [e for e in _equations(jaxpr) if e.primitive.name in entry.names]
+  if not found and role in _NOT_BOUND_FROM and _JAX >= _NOT_BOUND_FROM[role]:
+    pytest.skip(f"jax {jax.__version__} binds no {role} where its probe looks (the rewrite's "
+                "handling of it is unused there; the names stay for the older jax)")
   assert found, (f"{role}: none of {entry.names} in the jaxpr of its probe on jax "
                  f"{jax.__version__}: {sorted({e.primitive.name for e in _equations(jaxpr)})}")
   for e in found:
