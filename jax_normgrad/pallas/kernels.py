@@ -66,8 +66,11 @@ def describe(problem: Problem, backend: str, *, interpret: bool) -> KernelPlan |
   not describe their plans yet, and for an empty problem, which runs no kernel)."""
   if problem.empty or backend == "mosaic_gpu":
     return None
-  gpu, tpu = _backends()
-  return (tpu if backend == "mosaic_tpu" else gpu).describe(problem, interpret=interpret)
+  _, tpu = _backends()
+  if backend == "mosaic_tpu":
+    return tpu.describe(problem, interpret=interpret)
+  from jax_normgrad.pallas import gpu_describe  # pylint: disable=g-import-not-at-top
+  return gpu_describe.describe(problem, interpret=interpret)
 
 
 def _y_plan(x_dtype, y_dtype):
