@@ -504,17 +504,13 @@ def _equations(jaxpr, where: str):
     here = _user_line(eqn.source_info) or where
     yield eqn, here
     seen = set()
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
-        if not hasattr(inner, "eqns"):
-          continue
-        for found in _equations(inner, here):
-          key = (found[0].primitive, str(found[0].params), found[1],
-                 tuple(str(v.aval) for v in found[0].invars))
-          if eqn.primitive.name not in _COND or key not in seen:
-            seen.add(key)
-            yield found
+    for inner in _compat.jaxprs_in_params(eqn.params):
+      for found in _equations(inner, here):
+        key = (found[0].primitive, str(found[0].params), found[1],
+               tuple(str(v.aval) for v in found[0].invars))
+        if eqn.primitive.name not in _COND or key not in seen:
+          seen.add(key)
+          yield found
 
 
 _COND = _compat.primitive_names("cond")
