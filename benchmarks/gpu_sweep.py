@@ -61,7 +61,8 @@ ROWS = [("ln", (32768, 1024), jnp.bfloat16), ("ln", (32768, 1024), jnp.float32),
         # The SD-class UNet's channels-last GroupNorms (batch 8, 32 groups of 10, 20 and 40
         # channels), slower than XLA's in that model's step (H200, 2026-11-28).
         ("gn_nhwc", (8, 320, 64, 64, 32), jnp.bfloat16), ("gn_nhwc", (8, 640, 32, 32, 32), jnp.bfloat16),
-        ("gn_nhwc", (8, 1280, 16, 16, 32), jnp.bfloat16), ("gn_nhwc", (8, 320, 64, 64, 32), jnp.float32)]
+        ("gn_nhwc", (8, 1280, 16, 16, 32), jnp.bfloat16), ("gn_nhwc", (8, 320, 64, 64, 32), jnp.float32),
+        ("gn_nhwc", (8, 640, 32, 32, 32), jnp.float32)]
 SMOKE_ROWS = [("ln", (24, 40), jnp.float32), ("gn_nhwc", (2, 6, 3, 5, 3), jnp.float32),
               ("add_rms+f32", (24, 40), jnp.bfloat16)]
 #: name -> tuning changes (bench_lib.tuning's keys). "default" is the package's own.
@@ -103,9 +104,11 @@ CONFIGS = {
     # The sample-wide kernels' tiles halved and doubled (rows of a sample per program).
     "nhwc_tiles_half": {"gpu_nhwc_max_tile_fwd": 4096, "gpu_nhwc_max_tile_bwd": 2048},
     "nhwc_tiles_double": {"gpu_nhwc_max_tile_fwd": 16384, "gpu_nhwc_max_tile_bwd": 8192},
-    # Groups of a channel count that is not a power of two (10, 20) in the sample-wide kernels;
-    # "_fwd64": the forward's too up to 64 bytes a group, as the backward's.
+    # Groups of a channel count that is not a power of two (10, 20) in the sample-wide kernels
+    # (the default), or in the per-group ones ("_off"); "_fwd64": the forward's too up to 64
+    # bytes a group, as the backward's.
     "nhwc_odd_groups": {"gpu_nhwc_odd_groups": True},
+    "nhwc_odd_off": {"gpu_nhwc_odd_groups": False},
     "nhwc_odd_groups_fwd64": {"gpu_nhwc_odd_groups": True, "gpu_nhwc_group_bytes_fwd": 64},
 }
 

@@ -165,6 +165,14 @@ def needs_mosaic_gpu(obj):
   return pytest.mark.skipif(missing is not None, reason=str(missing))(obj)
 
 
+def skip_unless_interpretable(backend: str) -> None:
+  """Skips a test of the ``backend`` kernels ("gpu" / "tpu") where they can neither run nor be
+  interpreted: the TPU kernels are interpreted on the CPU platform only, so on a GPU host (whose
+  default platform is cuda) their interpreted tests skip; the GPU kernels run there for real."""
+  if backend == "tpu" and PLATFORM not in ("cpu", "tpu"):
+    pytest.skip(f"the TPU kernels are interpreted on cpu only; this host lowers for {PLATFORM}")
+
+
 def child_env(**extra) -> dict:
   """The environment for a test's child ``python -m pytest``: this one, plus ``extra``, with
   ``PYTEST_ADDOPTS="--numprocesses=0"`` (none without pytest-xdist). The suite runs on every

@@ -299,6 +299,7 @@ class PallasAddNormTests(AddNormTests):
 
   @pytest.fixture(autouse=True)
   def _interpreted(self, request):
+    cases.skip_unless_interpretable(self.backend)
     if request.node.originalname in self.slow:
       pytest.skip(f"left to the other interpreted kernel set ({self.backend} runs the rest)")
     jax.clear_caches()

@@ -161,6 +161,7 @@ def test_rms_norm_primitives_lower_to_pallas(platform, y_dtype):
 def _kernels(backend, tiny):
   """The implementation interpreting the ``backend`` ("gpu" / "tpu") kernels, with tiny tiles
   if asked."""
+  cases.skip_unless_interpretable(backend)
   tuning = {}
   if tiny:
     tuning.update(gpu_max_tile_bwd=256, gpu_max_tile_fwd=256, tpu_block_elems=2048,
@@ -318,7 +319,8 @@ def test_channels_last_sample_wide_kernels_odd_groups(rng, c, g, hw, parts, acti
   tuning = dict(gpu_nhwc_odd_groups=True, gpu_nhwc_group_bytes=64, gpu_nhwc_group_bytes_fwd=64,
                 gpu_nhwc_max_tile_fwd=256, gpu_nhwc_max_tile_bwd=256,
                 interpret_programs=2 if parts == 1 else parts * n)
-  assert config.gpu_nhwc_plan(hw, c, c // g, 4, backward=True) is None  # off by default
+  with config.override(gpu_nhwc_odd_groups=False):  # the per-group tiles where it is off
+    assert config.gpu_nhwc_plan(hw, c, c // g, 4, backward=True) is None
   layer = lambda x, gm, bt: jn.group_norm(x, g, gm, bt, channel_axis=-1, activation=activation,
                                           implementation="pallas")
   with config.override(**tuning):
@@ -337,15 +339,16 @@ def test_channels_last_sample_wide_kernels_odd_groups(rng, c, g, hw, parts, acti
     ((32, 32, 32, 64), ("fwd_nhwc_moments", "fwd_nhwc", "bwd_nhwc_sums", "bwd_nhwc")),
     # 8 float32 channels a group: 32 bytes, the per-group forward (gpu_nhwc_group_bytes_fwd).
     ((32, 8, 8, 256), ("fwd", "bwd_nhwc_sums", "bwd_nhwc")),
-    ((4, 16, 16, 320), ("fwd", "bwd")),  # 10 channels a group: the per-group kernels
-    # ... or with gpu_nhwc_odd_groups, the sample-wide backward (40 bytes a group; the
-    # forward's per-group below gpu_nhwc_group_bytes_fwd).
-    ((4, 16, 16, 320, "odd"), ("fwd", "bwd_nhwc_sums", "bwd_nhwc"))])
+    # 10 float32 channels a group (not a power of two): the sample-wide backward (40 bytes a
+    # group), the per-group forward (at least gpu_nhwc_group_bytes_fwd) ...
+    ((4, 16, 16, 320), ("fwd", "bwd_nhwc_sums", "bwd_nhwc")),
+    # ... and without gpu_nhwc_odd_groups, the per-group kernels both ways.
+    ((4, 16, 16, 320, "per-group"), ("fwd", "bwd"))])
 def test_channels_last_kernels_chosen_for_cuda(shape, kernels):
   """A UNet's GroupNorms (32 groups of 2 and 8 channels) lower to the sample-wide kernels, split
-  where the batch alone leaves SMs idle; 10 channels a group to the per-group ones, unless
-  ``gpu_nhwc_odd_groups``."""
-  odd = shape[-1] == "odd"
+  where the batch alone leaves SMs idle; groups of 10 channels too (``gpu_nhwc_odd_groups``),
+  or to the per-group ones where that is off."""
+  odd = shape[-1] != "per-group"
   shape = shape[:4]
   c = shape[-1]
   gn = _grad_of(lambda x, w, b: jn.group_norm(x, 32, w, b, channel_axis=-1))
@@ -375,9 +378,9 @@ EXPLAIN_CASES = {  # name: (function of (x, w, b), x's shape and dtype, tuning)
                        (1024, 768), jnp.bfloat16, {}),
     "group_norm NCHW": (_grad_of(_GN(32, 1)), (8, 320, 16, 16), F32, {}),
     "group_norm NHWC sample-wide, split": (_grad_of(_GN(32, -1)), (32, 32, 32, 64), F32, {}),
-    "group_norm NHWC per group": (_grad_of(_GN(32, -1)), (4, 16, 16, 320), F32, {}),
-    "group_norm NHWC odd groups": (_grad_of(_GN(32, -1)), (4, 16, 16, 320), jnp.bfloat16,
-                                   {"gpu_nhwc_odd_groups": True}),
+    "group_norm NHWC per group": (_grad_of(_GN(32, -1)), (4, 16, 16, 320), F32,
+                                  {"gpu_nhwc_odd_groups": False}),
+    "group_norm NHWC odd groups": (_grad_of(_GN(32, -1)), (4, 16, 16, 320), jnp.bfloat16, {}),
 }
 
 

@@ -110,9 +110,9 @@ class Tuning:
   #: The sample-wide kernels also for groups of a channel count that is not a
   #: power of two (an SD-class UNet's 32 groups of 10 or 20 channels): the
   #: tile's columns summed per group by a 0/1 matrix instead of a reshape.
-  #: Off until timed on a GPU against the per-group tiles those groups run
-  #: (benchmarks/gpu_session.sh's sweep, configuration ``nhwc_odd_groups``).
-  gpu_nhwc_odd_groups: bool = False
+  #: False: the per-group tiles, as for groups of wide sectors (BENCHMARKS.md,
+  #: the SD-class UNet's GroupNorm rows).
+  gpu_nhwc_odd_groups: bool = True
   #: Largest tile (elements) of the sample-wide channels-last kernels: the
   #: forward keeps about three float32 values per element, the backward five
   #: (x, dy, dx and the two tile-shaped parameter sums).
