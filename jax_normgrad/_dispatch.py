@@ -67,13 +67,17 @@ class Request:
   that need them (the kernel problem imports nothing heavy, but a Mosaic GPU
   check imports Pallas). ``named``: the user named this implementation (by
   ``implementation=`` or ``JAX_NORMGRAD_GPU_BACKEND``), so it runs wherever it
-  is not known to fail.
+  is not known to fail. ``lowering``: asked by the op's lowering, which may
+  prepare jax for the implementation it then lowers (register the GPU with
+  Pallas Triton: ``gpu_target.triton_problem``); a query (``explain``,
+  ``default_implementations``) changes nothing.
   """
 
   op: str
   platform: str
   problem: Callable[[], kernels.Problem | None]
   auto_partitioned: Callable[[], bool] = lambda: False
+  lowering: bool = False
   named: bool = False
 
 
@@ -128,7 +132,7 @@ class _Triton(Implementation):
   def _cannot_run_here(self, request):
     if request.platform == "cpu":
       return None
-    return gpu_target.triton_problem()
+    return gpu_target.triton_problem(register=request.lowering)
 
 
 class _MosaicGpu(Implementation):
@@ -209,8 +213,12 @@ class Choice:
 
 def choose(op: str, implementation: str | None, platform: str, *, forward: str = "kernel",
            problem: Callable[[], kernels.Problem | None] = lambda: None,
-           auto_partitioned: Callable[[], bool] = lambda: False) -> Choice:
+           auto_partitioned: Callable[[], bool] = lambda: False,
+           lowering: bool = False) -> Choice:
   """The implementation that lowers ``op`` on ``platform``, by the rule of the module docstring.
+
+  ``lowering``: asked by the op's lowering (:class:`Request`); else a query, which changes
+  nothing in jax.
 
   Raises:
     ValueError: ``implementation`` names one that cannot run here (the message says why),
@@ -225,7 +233,7 @@ def choose(op: str, implementation: str | None, platform: str, *, forward: str =
     source = (f"{_settings.FORWARD_ENV}=xla" if settings.forward else
               "the layers' forward default on this platform (LAYER_FORWARD_DEFAULT)")
     return Choice(op, platform, "xla", f"forward=None: {source}")
-  request = functools.partial(Request, op, platform, problem, auto_partitioned)
+  request = functools.partial(Request, op, platform, problem, auto_partitioned, lowering)
   if implementation not in (None, "pallas"):
     impl = IMPLEMENTATIONS[implementation]
     reason = impl.cannot_run(request(named=True))
@@ -287,7 +295,7 @@ def register_lowerings(prim, lowerings: Lowerings) -> None:
     def lower(ctx, *args, implementation, forward, tuning, **params):
       choice = choose(prim.name, implementation, platform, forward=forward,
                       problem=_problem_of(lowerings, ctx.avals_in, params),
-                      auto_partitioned=lambda: _auto_partitioned(ctx))
+                      auto_partitioned=lambda: _auto_partitioned(ctx), lowering=True)
       if choice.warning:
         warn_once(choice.warning)
       fn = {"xla": lowerings.xla, "ffi": lowerings.ffi}.get(choice.implementation)
