@@ -43,16 +43,15 @@ import threading
 from typing import Callable
 
 import jax
-import jax.extend.backend
 import jaxlib
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_normgrad import _compat, _ffi, _settings
+from jax_normgrad import _compat, _ffi, _platforms, _settings
 from jax_normgrad._fallback import warn_once
 from jax_normgrad.pallas import config, gpu_target, kernels
 
-PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+PLATFORMS = _platforms.PLATFORMS
 
 #: The values of a forward primitive's ``forward`` parameter (the layers' ``forward`` option;
 #: "auto" is their None).
@@ -153,7 +152,7 @@ class _MosaicGpu(Implementation):
 class _MosaicTpu(Implementation):
 
   def _cannot_run_here(self, request):
-    if request.platform == "tpu" and request.auto_partitioned():
+    if request.platform not in _platforms.CUSTOM_PARTITIONING and request.auto_partitioned():
       return ("the op is in a multi-device jit over mesh axes that XLA partitions (Auto axes), "
               "where it would have to partition the Pallas TPU kernel, which it cannot (JAX's "
               "custom_partitioning rules do not run on TPU). Two ways run the kernels on each "
@@ -164,7 +163,7 @@ class _MosaicTpu(Implementation):
 
 
 FFI = _Ffi("ffi", "the C++ kernels", ("cpu",))
-TRITON = _Triton("triton", "the Triton kernels", ("cuda", "rocm"), interpreted=True)
+TRITON = _Triton("triton", "the Triton kernels", _platforms.GPUS, interpreted=True)
 MOSAIC_GPU = _MosaicGpu("mosaic_gpu", "the Mosaic GPU kernels", ("cuda",), interpreted=True)
 MOSAIC_TPU = _MosaicTpu("mosaic_tpu", "the TPU kernels", ("tpu",), interpreted=True)
 XLA = Implementation("xla", "the pure-JAX reference ('xla')", PLATFORMS)
@@ -316,9 +315,8 @@ def register_lowerings(prim, lowerings: Lowerings) -> None:
 
     return rule
 
-  for platform in PLATFORMS:
-    mlir.register_lowering(prim, kernels.quiet_lowering(make_rule(platform), platform),
-                           platform=platform)
+  _platforms.register_per_platform(
+      prim, lambda platform: kernels.quiet_lowering(make_rule(platform), platform))
 
 
 def _problem_of(lowerings: Lowerings, avals, params) -> Callable[[], kernels.Problem | None]:
@@ -390,23 +388,8 @@ def def_impl_via_jit(prim) -> None:
 
 
 def default_platform() -> str:
-  """The lowering platform ("cpu", "cuda", "rocm", "tpu") of JAX's default backend.
-
-  ``jax.default_backend()`` says "gpu" for CUDA and ROCm alike; lowerings are
-  registered per platform, and the backend's platform version tells the two apart.
-  """
-  backend = jax.default_backend()
-  if backend != "gpu":
-    return backend
-  version = jax.extend.backend.get_backend().platform_version.lower()
-  return "rocm" if "rocm" in version else "cuda"
-
-
-def _platform(platform: str | None) -> str:
-  platform = default_platform() if platform is None else platform
-  if platform not in PLATFORMS:
-    raise ValueError(f"platform: expected one of {PLATFORMS} (or None), got {platform!r}")
-  return platform
+  """The lowering platform of JAX's default backend (``_platforms.default_platform``)."""
+  return _platforms.default_platform()
 
 
 def default_implementations(platform: str | None = None) -> dict[str, str]:
@@ -428,7 +411,7 @@ def default_implementations(platform: str | None = None) -> dict[str, str]:
 
 def default_choices(platform: str | None = None) -> dict[str, Choice]:
   """:func:`default_implementations` with the reasons: primitive name -> its :class:`Choice`."""
-  platform = _platform(platform)
+  platform = _platforms.platform_or_default(platform)
   return {name: choose(name, None, platform) for name in sorted(_REGISTRY)}
 
 
@@ -478,7 +461,7 @@ def explain(fun: Callable, *args, platform: str | None = None, **kwargs) -> Expl
     ValueError: an op whose ``implementation`` cannot run on ``platform``,
       as its lowering would.
   """
-  platform = _platform(platform)
+  platform = _platforms.platform_or_default(platform)
   closed = jax.make_jaxpr(functools.partial(fun, **kwargs))(*args)
   found = Explanation()
   for eqn, where in _equations(closed.jaxpr, "?"):

@@ -23,8 +23,8 @@ import warnings
 from typing import Callable
 
 import jax.numpy as jnp
-from jax import lax
 
+from jax_normgrad import _platforms
 from jax_normgrad.pallas.common import KernelPlan, Segments
 
 F32 = jnp.float32
@@ -185,8 +185,9 @@ def _gpu_kernels(backend: str):
 def dispatch(gpu_fn, tpu_fn, arrays, *, interpret: bool, backend: str, **static):
   """Runs ``gpu_fn`` on CUDA/ROCm, ``tpu_fn`` on TPU; on CPU, interpreted, the one of ``backend``.
 
-  The GPU/TPU choice is staged with ``lax.platform_dependent``: the branch
-  of the platform being lowered is the only one compiled. On CPU
+  The GPU/TPU choice is ``_platforms.kernels_switch``, the package's one
+  table of which kernels each platform runs, staged: the branch of the
+  platform being lowered is the only one compiled. On CPU
   ``backend`` "mosaic_tpu" interprets the TPU kernels, "triton" and
   "mosaic_gpu" the GPU kernels (``gpu_fn``; Mosaic GPU's in Pallas' GPU
   interpret mode). Both return the final outputs, so the branches have the
@@ -196,8 +197,8 @@ def dispatch(gpu_fn, tpu_fn, arrays, *, interpret: bool, backend: str, **static)
     fn = tpu_fn if backend == "mosaic_tpu" else gpu_fn
     return fn(*arrays, interpret=True, **static)
   gpu = functools.partial(gpu_fn, interpret=False, **static)
-  return lax.platform_dependent(*arrays, cuda=gpu, rocm=gpu,
-                                tpu=functools.partial(tpu_fn, interpret=False, **static))
+  return _platforms.kernels_switch(*arrays, gpu=gpu,
+                                  tpu=functools.partial(tpu_fn, interpret=False, **static))
 
 
 def _backends():
