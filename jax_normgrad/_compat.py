@@ -56,7 +56,7 @@ def without_varying(aval):
   """``aval`` varying over no mesh axis (itself when it has no manual-axes part).
 
   For lowering code that must not see ``shard_map``'s types (see
-  ``_dispatch.register_lowerings``): the types were checked when the
+  ``_lowering.register_lowerings``): the types were checked when the
   program was traced, and the lowered HLO carries none.
   """
   t = _manual_type(aval)
