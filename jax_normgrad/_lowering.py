@@ -20,7 +20,7 @@ from jax.interpreters import mlir
 
 from jax_normgrad import _compat, _dispatch, _interpret, _platforms
 from jax_normgrad._fallback import warn_once
-from jax_normgrad.pallas import config, kernels
+from jax_normgrad.pallas import config, kernels, triton_warning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ def register_lowerings(prim, lowerings: Lowerings) -> None:
     return rule
 
   _platforms.register_per_platform(
-      prim, lambda platform: kernels.quiet_lowering(make_rule(platform), platform))
+      prim, lambda platform: triton_warning.quiet_lowering(make_rule(platform), platform))
 
 
 def problem_of(lowerings: Lowerings, avals, params) -> Callable[[], kernels.Problem | None]:
