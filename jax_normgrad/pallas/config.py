@@ -4,8 +4,8 @@ A kernel's plan (``GpuPlan``, ``GpuNhwcPlan``, ``MosaicGpuPlan``, the TPU
 tiles) is a small frozen value computed when an op is lowered, from the
 static shapes and dtype, the heuristics of the backend's configuration
 (``backend_config``), and the figures of the device being compiled for
-(``device.Device``: SMs and shared memory of
-the GPU, TensorCores of the TPU). The heuristics come from hardware limits
+(``device.Device``: SMs and shared memory of the GPU, TensorCores of the
+TPU). The heuristics come from hardware limits
 (registers per SM, VMEM per TensorCore, the (8, 128) TPU tiling) and from
 the GPU sweeps (``benchmarks/gpu_sweep.py``); the measurements behind each
 value are in BENCHMARKS-history.md ("The tile heuristics' measurements").
