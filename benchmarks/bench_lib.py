@@ -77,8 +77,8 @@ def gpu_backend() -> str | None:
   """The Pallas GPU backend the package's kernels lower to on this machine; None off a GPU."""
   if jax.default_backend() != "gpu":
     return None
-  from jax_normgrad import _dispatch  # pylint: disable=g-import-not-at-top
-  return _dispatch.default_choices()["jax_normgrad_layer_norm_fwd"].implementation
+  from jax_normgrad import _explain  # pylint: disable=g-import-not-at-top
+  return _explain.default_choices()["jax_normgrad_layer_norm_fwd"].implementation
 
 
 def run_info() -> dict:

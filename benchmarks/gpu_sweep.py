@@ -94,8 +94,6 @@ CONFIGS = {
     # 2026-11-26, 16 bytes) and at 16 (the 16-bit form at the plain forward's 32 bytes).
     "res_fwd_e4": {"gpu_fwd_residual_elems_per_thread": 4},
     "res_fwd_e16": {"gpu_fwd_residual_elems_per_thread": 16},
-    # The residual form's backward loading dh with x and dy (config.gpu_bwd_early_dh).
-    "bwd_early_dh": {"gpu_bwd_early_dh": True},
     # Channels-last GroupNorm with narrow groups: the sample-wide kernels unsplit (one
     # persistent kernel each way), and the per-group kernels (the rule before 2026-11-27).
     "nhwc_whole": {"gpu_nhwc_split": False},

@@ -29,7 +29,7 @@ from jax_normgrad.ops.layer_norm import layer_norm  # noqa: E402
 from jax_normgrad.ops.rms_norm import rms_norm  # noqa: E402
 
 # Which kernel runs, and why; the package's warnings and settings.
-from jax_normgrad._dispatch import default_implementations, explain  # noqa: E402
+from jax_normgrad._explain import default_implementations, explain  # noqa: E402
 from jax_normgrad._fallback import FallbackWarning  # noqa: E402
 from jax_normgrad._ffi import export_safety_checks  # noqa: E402
 from jax_normgrad._malloc import keep_freed_memory  # noqa: E402

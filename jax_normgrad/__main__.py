@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_normgrad as jn
-from jax_normgrad import _bench, _dispatch, _ffi, _settings
+from jax_normgrad import _bench, _explain, _ffi, _platforms, _settings
 
 
 #: The public functions each primitive serves (RMSNorm and the AscendC / InfiniOp
@@ -27,8 +27,8 @@ PRIMITIVE_OPS = {
 
 
 def _report_platform() -> dict:
-  platform = _dispatch.default_platform()
-  choices = _dispatch.default_choices(platform)
+  platform = _platforms.default_platform()
+  choices = _explain.default_choices(platform)
   impls = {name: c.implementation for name, c in choices.items()}
   return {"platform": platform, "devices": [str(d) for d in jax.devices()],
           "implementations": impls,

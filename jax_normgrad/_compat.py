@@ -56,7 +56,7 @@ def without_varying(aval):
   """``aval`` varying over no mesh axis (itself when it has no manual-axes part).
 
   For lowering code that must not see ``shard_map``'s types (see
-  ``_dispatch.register_lowerings``): the types were checked when the
+  ``_lowering.register_lowerings``): the types were checked when the
   program was traced, and the lowered HLO carries none.
   """
   t = _manual_type(aval)
@@ -246,25 +246,41 @@ def triton_gpu_info():
   return getattr(pltriton, "get_gpu_info", None)
 
 
+def _triton_gpu_entry(device_kind: str, compute_capability: str):
+  """``(registry, GpuInfo)`` that would tell Pallas Triton of ``device_kind``; None where this
+  jax offers no way to. Changes nothing."""
+  del device_kind
+  try:
+    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  registry, info_class = getattr(gpu_info, "registry", None), getattr(gpu_info, "GpuInfo", None)
+  if not isinstance(registry, dict) or info_class is None:
+    return None
+  major, minor = (int(v) for v in compute_capability.split("."))
+  try:
+    info = info_class(gpu_version=None, arch_name=f"{major}.{minor}",
+                      compute_capability=10 * major + minor)
+  except TypeError:  # a GpuInfo of other fields
+    return None
+  return registry, info
+
+
+def triton_gpu_registrable(device_kind: str, compute_capability: str) -> bool:
+  """Whether :func:`register_triton_gpu` can tell Pallas Triton of this kind; registers nothing."""
+  return _triton_gpu_entry(device_kind, compute_capability) is not None
+
+
 def register_triton_gpu(device_kind: str, compute_capability: str) -> bool:
   """Tells Pallas Triton the compute capability (``"8.9"``) of a GPU kind it does not list.
 
   Returns False where this jax offers no way to (before 0.11 none is
   needed). A kind already registered keeps its entry.
   """
-  try:
-    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
-  except ImportError:
+  entry = _triton_gpu_entry(device_kind, compute_capability)
+  if entry is None:
     return False
-  registry, info_class = getattr(gpu_info, "registry", None), getattr(gpu_info, "GpuInfo", None)
-  if not isinstance(registry, dict) or info_class is None:
-    return False
-  major, minor = (int(v) for v in compute_capability.split("."))
-  try:
-    info = info_class(gpu_version=None, arch_name=f"{major}.{minor}",
-                      compute_capability=10 * major + minor)
-  except TypeError:  # a GpuInfo of other fields
-    return False
+  registry, info = entry
   registry.setdefault(device_kind, lambda: info)
   return True
 

@@ -41,7 +41,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_normgrad import _compat
+from jax_normgrad import _compat, _platforms
 
 #: The factor name of the row axis in the sharding rules.
 ROW = "r"
@@ -369,4 +369,5 @@ def _partitioned(op: str, fn: Callable, in_factors: Sequence[Sequence[str]],
     outs, tangents_out = jax.jvp(fn, primals, tangents)
     return tuple(outs), tuple(tangents_out)
 
-  return lambda *args: list(jax.lax.platform_dependent(*args, tpu=on_tpu, default=with_rules))
+  return lambda *args: list(_platforms.partitioning_switch(*args, partitioned=with_rules,
+                                                          plain=on_tpu))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_normgrad import _dispatch
+from jax_normgrad import _platforms
 
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 MASKS = list(itertools.product([True, False], repeat=3))
@@ -188,7 +188,7 @@ def child_env(**extra) -> dict:
 
 #: The lowering platform the suite runs on ("cpu", "cuda", "rocm", "tpu"): the default
 #: implementation is the CPU custom call on "cpu" and the Pallas kernels elsewhere.
-PLATFORM = _dispatch.default_platform()
+PLATFORM = _platforms.default_platform()
 
 # The Pallas kernels' names (``pallas_call(name=...)``) by direction, whatever the op.
 _PALLAS_KERNELS = {"fwd": "jax_normgrad_norm_fwd", "bwd": "jax_normgrad_norm_bwd"}

@@ -99,7 +99,7 @@ def test_the_preference_lists():
 
 
 def test_one_warning_names_every_implementation_passed_over(monkeypatch):
-  monkeypatch.setattr(gpu_target, "triton_problem", lambda: "Triton does not lower here")
+  monkeypatch.setattr(gpu_target, "triton_problem", lambda **_: "Triton does not lower here")
   monkeypatch.setattr(gpu_target, "mosaic_gpu_problem",
                       lambda known_device: "they need sm_90+ (the device is sm_75)")
   choice = _choose(None, "cuda")

@@ -107,6 +107,10 @@ def triton_list(monkeypatch, settings_env):
     monkeypatch.setattr(_compat, "triton_gpu_info", lambda: fake.get_gpu_info)
     listing = _TritonList(fake.register)
   monkeypatch.setattr(_compat, "register_triton_gpu", listing.register)
+  registrable = (_compat.triton_gpu_registrable if TRITON_LOWERING_NEEDS_GPU_KIND
+                 else lambda kind, compute_capability: True)
+  monkeypatch.setattr(_compat, "triton_gpu_registrable",
+                      lambda *a: listing.can_register and registrable(*a))
   # jax caches lowerings by program and abstract mesh; the fakes change what
   # a lowering of the same program does (the settings' reset clears jax's caches).
   settings_env(_settings.GPU_BACKEND_ENV, None)
@@ -224,6 +228,42 @@ def test_attached_gpu_is_registered_with_triton(triton_list, monkeypatch):
   f, args = PROGRAMS["layer_norm"]
   assert TRITON in _export(f, args, kind)
   assert triton_list.registry == {REGISTRABLE: "7.0"}
+
+
+def test_explain_registers_nothing(triton_list, monkeypatch):
+  # explain answers as the lowering will (Triton, once the device is registered) and leaves
+  # jax's list as it was; the lowering registers the device.
+  kind = _attached(monkeypatch, "7.0", kind=REGISTRABLE)
+  f, args = PROGRAMS["layer_norm"]
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="cuda")
+  with jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
+    explained = jn.explain(f, *args, platform="cuda")
+  assert {e.choice.implementation for e in explained} == {"triton"}, str(explained)
+  assert not triton_list.registry
+  assert TRITON in _export(f, args, kind)
+  assert triton_list.registry == {REGISTRABLE: "7.0"}
+
+
+@pytest.mark.skipif(not TRITON_LOWERING_NEEDS_GPU_KIND,
+                    reason="this jax (before 0.11) has no Pallas Triton GPU registry")
+def test_explain_leaves_jax_triton_registry_unchanged(monkeypatch, settings_env):
+  """jax's own registry, unpatched (``gpu_info.registry``, a private path: the one the package
+  registers in), is the same dict with the same entries after ``explain`` of a GPU it lacks."""
+  from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+  settings_env(_settings.GPU_BACKEND_ENV, None)
+  kind = _attached(monkeypatch, "7.0", kind=REGISTRABLE)
+  registry = gpu_info.registry
+  before = dict(registry)
+  assert kind not in before
+  f, args = PROGRAMS["layer_norm"]
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="cuda")
+  with jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
+    explained = jn.explain(f, *args, platform="cuda")
+    jn.default_implementations("cuda")
+  assert {e.choice.implementation for e in explained} == {"triton"}, str(explained)
+  assert gpu_info.registry is registry and registry == before
 
 
 def test_attached_gpu_that_cannot_be_registered_runs_the_reference(triton_list, monkeypatch):

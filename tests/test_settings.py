@@ -8,6 +8,7 @@ is lowered for it. Each is changed here after a first call.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -17,7 +18,7 @@ import pytest
 
 import jax_normgrad as jn
 from jax_normgrad import _settings
-from jax_normgrad.pallas import config
+from jax_normgrad.pallas import config, device
 
 F32 = jnp.float32
 
@@ -84,6 +85,32 @@ def test_the_tuning_travels_with_the_traced_op():
       pass
 
 
+def test_a_configuration_value_per_call():
+  """A backend's configuration passed whole (a frozen, hashable value) sets each of its fields
+  for what is traced inside, over an outer block's; the op carries them as its ``tuning``, and
+  lowers as with the same fields passed by name."""
+  x = jnp.ones((5, 300))
+  f = lambda x: jn.layer_norm(x, implementation="pallas")
+  value = config.TritonConfig(gpu_max_tile_fwd=256)
+  assert hash(value) == hash(config.TritonConfig(gpu_max_tile_fwd=256))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    value.gpu_max_tile_fwd = 128
+  with config.override(gpu_max_tile_bwd=512, tpu_block_elems=2048):
+    with config.override(value) as tuning:
+      assert tuning.triton == value and config.triton() == value
+      assert config.mosaic_tpu().tpu_block_elems == 2048  # another backend's: kept
+      (tuned,) = {p["tuning"] for p in _params(f, x)}
+      text = jax.jit(f).lower(x).as_text()
+  assert dict(tuned) == {**dataclasses.asdict(value), "tpu_block_elems": 2048}
+  with config.override(gpu_max_tile_fwd=256):
+    assert jax.jit(f).lower(x).as_text() == text
+  with config.override(config.MosaicTpuConfig(tpu_block_elems=4096), config.Device(sms=8)):
+    assert config.current().tpu_block_elems == 4096 and config.device().sms == 8
+  with pytest.raises(TypeError, match="expected a value of"):
+    with config.override(config.Tuning()):
+      pass
+
+
 def test_a_jitted_function_follows_the_override_with_no_cache_clearing():
   """The override is part of jit's cache key: one jitted function, called inside and outside
   a block, is traced and lowered with the block's tiles and with the defaults; a program
@@ -102,12 +129,12 @@ def test_a_jitted_function_follows_the_override_with_no_cache_clearing():
 
 
 def test_device_figures():
-  h100 = config._gpu_device("NVIDIA H100 80GB HBM3", "9.0", None)
+  h100 = device.gpu_device("NVIDIA H100 80GB HBM3", "9.0", None)
   assert h100 == config.Device()  # the defaults are an H100's
-  a100 = config._gpu_device("NVIDIA A100-SXM4-40GB", "8.0", None)
+  a100 = device.gpu_device("NVIDIA A100-SXM4-40GB", "8.0", None)
   assert a100.sms == 108 and a100.smem_per_sm == 164 * 1024
-  assert config._gpu_device("NVIDIA GeForce RTX 4080 Laptop GPU", "8.9", 58).sms == 58
-  unknown = config._gpu_device("cpu", None, None)
+  assert device.gpu_device("NVIDIA GeForce RTX 4080 Laptop GPU", "8.9", 58).sms == 58
+  unknown = device.gpu_device("cpu", None, None)
   assert unknown == config.Device()
   # Outside a lowering the plans read the defaults; a lowering for the CPU (interpreted) too.
   with config.lowering((), "cpu"):

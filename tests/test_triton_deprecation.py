@@ -4,7 +4,7 @@ jax 0.11+ warns "The Pallas Triton backend is deprecated and will be removed
 in a future JAX version. ..." each time a Pallas Triton kernel is lowered (in
 the GPU lowering rule of ``pallas_call``, ``jax/_src/pallas/pallas_call.py``).
 The package chose that backend, so it filters that warning while its
-primitives are lowered for CUDA and ROCm (``pallas.kernels.quiet_lowering``).
+primitives are lowered for CUDA and ROCm (``pallas.triton_warning.quiet_lowering``).
 
 jax 0.10.2 (this venv) does not warn. The tests make it: ``fake_jax011``
 wraps ``pallas_call``'s lowering rule so that it emits jax 0.11's warning
@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 import jax_normgrad as jn
-from jax_normgrad.pallas import kernels
+from jax_normgrad.pallas import triton_warning
 from cases import TRITON_LOWERING_NEEDS_GPU_KIND, export_for
 
 F32 = jnp.float32
@@ -117,7 +117,7 @@ def test_overlapping_blocks_leave_the_filters_as_they_found_them():
   with warnings.catch_warnings():
     warnings.simplefilter("always")
     before = list(warnings.filters)
-    a, b = kernels.triton_deprecation_ignored(), kernels.triton_deprecation_ignored()
+    a, b = triton_warning.triton_deprecation_ignored(), triton_warning.triton_deprecation_ignored()
     a.__enter__()
     b.__enter__()
     assert not triton_warning_shown()
@@ -135,6 +135,6 @@ def test_with_this_jax():
   """jax 0.11+'s own warning: none from the package's lowering, one from a user's kernel."""
   messages, _ = _export_warnings(_layer_norm_grad(), (jax.ShapeDtypeStruct((8, 256), F32),
                                                       jax.ShapeDtypeStruct((256,), F32)))
-  assert not any(m.startswith(kernels.TRITON_DEPRECATION) for m in messages), messages
+  assert not any(m.startswith(triton_warning.TRITON_DEPRECATION) for m in messages), messages
   messages, _ = _export_warnings(_user_kernel, (jax.ShapeDtypeStruct((8, 128), F32),))
-  assert any(m.startswith(kernels.TRITON_DEPRECATION) for m in messages), messages
+  assert any(m.startswith(triton_warning.TRITON_DEPRECATION) for m in messages), messages

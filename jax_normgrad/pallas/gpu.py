@@ -286,7 +286,7 @@ def _bwd_stats_kernel(*refs, launch: _Launch, has_gamma: bool, has_beta: bool):
 
 
 def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma: bool,
-                has_beta: bool, has_dh: bool, dx_dy: bool, early_dh: bool = False):
+                has_beta: bool, has_dh: bool, dx_dy: bool):
   """The fused backward: x and dy read once per tile, partials accumulated in registers.
 
   For each channel chunk (one, unless a segment's channels exceed a tile),
@@ -296,7 +296,6 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
   dy`` over the non-channel axis to float32 accumulators, stored once per
   program as its partial row. No atomics: the partials are summed later.
   The residual form adds h's cotangent ``dh`` to dx before its rounding
-  (loaded with x and dy where ``early_dh``, ``config.Trials.gpu_bwd_early_dh``)
   and adds the partials before computing dx, so that dy is dead when dx and
   dh take registers: its LayerNorm float32 tile of 4096 compiled to 86
   registers the other way round, 61 this way (two programs per SM instead of
@@ -328,9 +327,6 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
         idx, m = launch.window(g, kc, ks)
         x = _load(x_ref.at[(i,) + idx], m)
         dy = _load(dy_ref.at[(i,) + idx], m)  # 0 where masked: no term below sees padding
-        # dh issued with x and dy (in its own dtype until the add) or after the row's sums.
-        dh = (pltriton.load(dh_ref.at[(i,) + idx], mask=m, other=0)
-              if has_dh and early_dh and mask[0] else None)
         dy = common.pre_activation_grad(dy, x, mean, rstd, gamma, beta, seg.activation)
         xhat, gg = common.xhat_and_g(x, dy, mean, rstd, gamma)
 
@@ -344,7 +340,7 @@ def _bwd_kernel(*refs, launch: _Launch, mask: tuple[bool, bool, bool], has_gamma
           c1, c2 = c if c is not None else _segment_means(gg, xhat, seg)
           dx = common.grad_input(gg, xhat, c1, c2, rstd)
           if has_dh:
-            dx = dx + (dh.astype(F32) if dh is not None else _load(dh_ref.at[(i,) + idx], m))
+            dx = dx + _load(dh_ref.at[(i,) + idx], m)
           pltriton.store(dx_ref.at[(i,) + idx], dx.astype(dx_ref.dtype), mask=m)
           if dx_dy:
             pltriton.store(dx2_ref.at[(i,) + idx], dx.astype(dx2_ref.dtype), mask=m)
@@ -391,12 +387,12 @@ def _param_grads(parts, mask, *, interpret: bool):
   The n (one or two) partial arrays are one operand, so both parameter
   gradients take one launch of ``_sum_partials``: launches, not bytes, are
   what a norm costs inside a model's step on the GPU (BENCHMARKS.md). With
-  ``gpu_partials_in_xla`` XLA sums them (``config.Trials``).
+  ``gpu_partials_in_xla`` XLA sums them (``config.TritonConfig``).
   """
   if parts is None:
     return (None, None)
   n, w, p, c = parts.shape
-  if config.trials().gpu_partials_in_xla:
+  if config.triton().gpu_partials_in_xla:
     sums = iter(common.ordered_sum(parts, 2))
   else:
     sums = iter(_sum_partials(parts.reshape(n * w, p, c), interpret=interpret).reshape(n, w, c))
@@ -411,7 +407,7 @@ def _partials_shape(seg: common.Segments, programs: int, mask):
 def _sum_partials(partials, *, interpret: bool):
   """``(W, P, C)`` -> ``(W, C)``: the second, small, fixed-order reduction."""
   w, p, c = partials.shape
-  t = config.current()
+  t = config.triton()
   width = min(pl.next_power_of_2(c), t.gpu_partials_cols)
   rows = min(pl.next_power_of_2(p), max(t.gpu_partials_tile // width, 1))
   blocks = config.cdiv(c, width)
@@ -448,7 +444,7 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
       [_partials_shape(seg, launch.programs, mask)] if any(mask[1:]) else [])
   outs = list(launch.call(
       functools.partial(_bwd_kernel, launch=launch, mask=mask, has_dh=dh is not None,
-                        dx_dy=dx_dy, early_dh=config.trials().gpu_bwd_early_dh, **flags),
+                        dx_dy=dx_dy, **flags),
       out_shape, dy, x, mean, rstd, gamma, beta, c1, c2, dh, interpret=interpret,
       name="jax_normgrad_norm_bwd"))
   dx = outs.pop(0) if mask[0] else None

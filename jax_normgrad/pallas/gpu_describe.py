@@ -26,7 +26,7 @@ def describe(problem, *, interpret: bool) -> common.KernelPlan:
   itemsize = max(problem.itemsize, problem.dy_itemsize)
   mask = problem.mask if backward else (True, False, False)
   fused_form = problem.extra_bytes > 0 or problem.dx_dy
-  sums = ("sum_partials",) if any(mask[1:]) and not config.trials().gpu_partials_in_xla else ()
+  sums = ("sum_partials",) if any(mask[1:]) and not config.triton().gpu_partials_in_xla else ()
   nhwc = None if fused_form else gpu._nhwc_plan(seg, itemsize, backward=backward)
   if nhwc is not None:
     launch = gpu._NhwcLaunch(seg, nhwc, interpret)

@@ -80,12 +80,15 @@ def _triton_lowers(get_gpu_info) -> bool:
   return True
 
 
-def triton_problem() -> str | None:
+def triton_problem(*, register: bool = False) -> str | None:
   """Why Pallas Triton cannot lower for the targeted GPU; None when it can.
 
   Where jax does not list the device's kind but the device's compute
-  capability is known, that is registered with Pallas Triton first (a side
-  effect on jax: its Triton lowering then accepts that kind for any kernel).
+  capability is known and this jax can register it, Pallas Triton can lower
+  once it is registered. ``register``: register it now (a side effect on jax:
+  its Triton lowering then accepts that kind for any kernel), as a lowering
+  does before it lowers the kernels; else (a query: ``explain``) nothing is
+  changed and the answer is the one a lowering would give.
   """
   get_gpu_info = _compat.triton_gpu_info()
   if get_gpu_info is None or _triton_lowers(get_gpu_info):
@@ -96,8 +99,11 @@ def triton_problem() -> str | None:
             f"device it would lower for is {dev.describe()}; with no GPU attached, name one with "
             f"jax.sharding.use_abstract_mesh (an AbstractDevice of a kind it lists)")
   if dev.compute_capability is not None:
-    if (_compat.register_triton_gpu(dev.kind, dev.compute_capability)
-        and _triton_lowers(get_gpu_info)):
+    if not register:
+      if _compat.triton_gpu_registrable(dev.kind, dev.compute_capability):
+        return None
+    elif (_compat.register_triton_gpu(dev.kind, dev.compute_capability)
+          and _triton_lowers(get_gpu_info)):
       return None
     how = "this jax offers no way to register its compute capability"
   else:

@@ -4,61 +4,28 @@ The layer above the kernel modules: ``gpu`` (Triton), ``mosaic_gpu`` and
 ``tpu`` hold the kernels, over the segment view and per-tile math of
 ``common``; ``forward`` and ``backward`` hand them a problem, with the
 backend that ``jax_normgrad._dispatch`` chose (its name: "triton",
-"mosaic_gpu" or "mosaic_tpu"), importing them on first lowering.
-``forward_problem`` and ``backward_problem`` say what a kernel will be
-handed (:class:`Problem`), which the dispatcher asks before choosing. The
-package's GPU lowerings run with jax's Pallas Triton deprecation warning
-ignored (``quiet_lowering``). Above it stand the lowerings (``layer_norm``,
+"mosaic_gpu" or "mosaic_tpu"), importing them on first lowering, and
+``describe`` tells their plan. What a kernel will be handed
+(:class:`Problem`, ``forward_problem``, ``backward_problem``) is
+``problem``'s, named here for the lowerings above (``layer_norm``,
 ``group_norm``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import re
-import threading
-import warnings
-from typing import Callable
 
 import jax.numpy as jnp
-from jax import lax
 
+from jax_normgrad import _platforms
 from jax_normgrad.pallas.common import KernelPlan, Segments
+from jax_normgrad.pallas.problem import (Problem, backward_problem,  # noqa: F401
+                                         forward_problem, y_plan)
 
 F32 = jnp.float32
 
 #: The Pallas backends a lowering may be handed.
 BACKENDS = ("triton", "mosaic_gpu", "mosaic_tpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """What a kernel is handed: the segments, and the bytes it reads per element.
-
-  ``itemsize``: x's bytes per element as the kernels read it (after a
-  forward's widening to a float32 y); ``extra_bytes``: the residual form's
-  further rows, bytes per element (the residual and h forward, dh backward);
-  ``empty``: no kernel runs (an empty x, or a backward with nothing asked for).
-  """
-
-  seg: Segments
-  itemsize: int
-  backward: bool
-  extra_bytes: int = 0
-  empty: bool = False
-  #: x's dtype as the kernels are handed it (the name), and a backward's dy's.
-  dtype: str = "float32"
-  dy_dtype: str = "float32"
-  #: A backward's: the outputs asked for (dx, dweight, dbias) and dx written a second time in
-  #: dy's dtype.
-  mask: tuple[bool, bool, bool] = (True, True, True)
-  dx_dy: bool = False
-
-  @property
-  def dy_itemsize(self) -> int:
-    return jnp.dtype(self.dy_dtype).itemsize if self.backward else 0
 
 
 def describe(problem: Problem, backend: str, *, interpret: bool) -> KernelPlan | None:
@@ -73,106 +40,6 @@ def describe(problem: Problem, backend: str, *, interpret: bool) -> KernelPlan |
   return gpu_describe.describe(problem, interpret=interpret)
 
 
-def _y_plan(x_dtype, y_dtype):
-  """``(kernel x dtype, y dtype the kernels round to | None)`` of a forward.
-
-  A float32 y from a 16-bit x widens x first (exactly; an XLA convert), so y
-  is rounded once; a 16-bit y from a float32 x is rounded by the kernels.
-  """
-  x_dtype = jnp.dtype(x_dtype)
-  if y_dtype is None or jnp.dtype(y_dtype) == x_dtype:
-    return x_dtype, None
-  if jnp.dtype(y_dtype).itemsize < x_dtype.itemsize:
-    return x_dtype, jnp.dtype(y_dtype)
-  return jnp.dtype(y_dtype), None
-
-
-def forward_problem(seg: Segments, x_dtype, *, size: int, y_dtype=None, residual_dtype=None,
-                    h_dtype=None) -> Problem:
-  """The :class:`Problem` of ``forward`` with these operands (``size``: x's elements)."""
-  x_dtype, _ = _y_plan(x_dtype, y_dtype)
-  extra = 0
-  if residual_dtype is not None:
-    extra = jnp.dtype(residual_dtype).itemsize + jnp.dtype(h_dtype or x_dtype).itemsize
-  return Problem(seg, x_dtype.itemsize, False, extra, empty=size == 0, dtype=x_dtype.name)
-
-
-def backward_problem(seg: Segments, x_dtype, mask, *, size: int, dh_dtype=None, dy_dtype=None,
-                     dx_dy: bool = False) -> Problem:
-  """The :class:`Problem` of ``backward`` with these operands (``size``: x's elements)."""
-  extra = 0 if dh_dtype is None else jnp.dtype(dh_dtype).itemsize
-  x_dtype = jnp.dtype(x_dtype)
-  return Problem(seg, x_dtype.itemsize, True, extra,
-                 empty=size == 0 or not any(mask), dtype=x_dtype.name,
-                 dy_dtype=jnp.dtype(dy_dtype or x_dtype).name,
-                 mask=tuple(bool(m) for m in mask), dx_dy=dx_dy)
-
-
-#: The start of jax's DeprecationWarning at each lowering of a Pallas Triton kernel
-#: (jax 0.11+, ``jax/_src/pallas/pallas_call.py``, deprecation "jax-pallas-triton"):
-#: "The Pallas Triton backend is deprecated and will be removed in a future JAX version. ..."
-TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
-
-#: Our filter's pattern: that text, tagged (a regex comment) so that the entry is
-#: ours alone, never equal to one a user added (jax's own tests add that text).
-_FILTER_PATTERN = re.escape(TRITON_DEPRECATION) + "(?# jax_normgrad)"
-_FILTER_LOCK = threading.Lock()
-_filter_users = 0
-
-
-@contextlib.contextmanager
-def triton_deprecation_ignored():
-  """Ignores jax's Pallas Triton DeprecationWarning (``TRITON_DEPRECATION``) inside the block.
-
-  Around the package's own GPU lowerings (``quiet_lowering``): the package
-  chose the backend, so its users have nothing to act on. Only that message
-  and category; other warnings, and that one outside the block, are shown
-  as before. One filter entry is shared by the blocks of all threads, put
-  first in ``warnings.filters`` when the first block starts and removed when
-  the last ends: ``warnings.catch_warnings`` saves and restores the whole
-  list, so two lowerings overlapping in two threads could leave the filter
-  behind, or drop one a user added meanwhile. (An ignored warning is not
-  recorded in any ``__warningregistry__``, so removing the entry leaves no
-  trace.)
-  """
-  global _filter_users  # pylint: disable=global-statement
-  with _FILTER_LOCK:
-    if _filter_users == 0:
-      warnings.filterwarnings("ignore", message=_FILTER_PATTERN, category=DeprecationWarning)
-    _filter_users += 1
-  try:
-    yield
-  finally:
-    with _FILTER_LOCK:
-      _filter_users -= 1
-      if _filter_users == 0:  # list.remove: one step, whatever other threads do to the list
-        for entry in [f for f in warnings.filters if _is_ours(f)]:
-          with contextlib.suppress(ValueError):
-            warnings.filters.remove(entry)
-
-
-def _is_ours(entry) -> bool:
-  message = entry[1]
-  return message is not None and message.pattern == _FILTER_PATTERN
-
-
-def quiet_lowering(rule: Callable, platform: str) -> Callable:
-  """The lowering rule ``rule``, on CUDA and ROCm run with ``triton_deprecation_ignored``.
-
-  The Pallas Triton lowering, where jax 0.11+ warns, runs inside the rule
-  (``mlir.lower_fun`` traces and lowers the kernels there).
-  """
-  if platform not in ("cuda", "rocm"):
-    return rule
-
-  @functools.wraps(rule)
-  def quiet(*args, **kwargs):
-    with triton_deprecation_ignored():
-      return rule(*args, **kwargs)
-
-  return quiet
-
-
 def _gpu_kernels(backend: str):
   """The GPU kernel module of ``backend``: Mosaic GPU's, else Triton's (whose module is ``gpu``)."""
   gpu, _ = _backends()
@@ -185,8 +52,9 @@ def _gpu_kernels(backend: str):
 def dispatch(gpu_fn, tpu_fn, arrays, *, interpret: bool, backend: str, **static):
   """Runs ``gpu_fn`` on CUDA/ROCm, ``tpu_fn`` on TPU; on CPU, interpreted, the one of ``backend``.
 
-  The GPU/TPU choice is staged with ``lax.platform_dependent``: the branch
-  of the platform being lowered is the only one compiled. On CPU
+  The GPU/TPU choice is ``_platforms.kernels_switch``, the package's one
+  table of which kernels each platform runs, staged: the branch of the
+  platform being lowered is the only one compiled. On CPU
   ``backend`` "mosaic_tpu" interprets the TPU kernels, "triton" and
   "mosaic_gpu" the GPU kernels (``gpu_fn``; Mosaic GPU's in Pallas' GPU
   interpret mode). Both return the final outputs, so the branches have the
@@ -196,8 +64,8 @@ def dispatch(gpu_fn, tpu_fn, arrays, *, interpret: bool, backend: str, **static)
     fn = tpu_fn if backend == "mosaic_tpu" else gpu_fn
     return fn(*arrays, interpret=True, **static)
   gpu = functools.partial(gpu_fn, interpret=False, **static)
-  return lax.platform_dependent(*arrays, cuda=gpu, rocm=gpu,
-                                tpu=functools.partial(tpu_fn, interpret=False, **static))
+  return _platforms.kernels_switch(*arrays, gpu=gpu,
+                                  tpu=functools.partial(tpu_fn, interpret=False, **static))
 
 
 def _backends():
@@ -221,7 +89,7 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
   the unrounded sum), and also write h in ``h_dtype`` (None: x's): the
   result is ``(y, mean | None, rstd, h)``.
   """
-  kernel_x_dtype, narrow_y = _y_plan(x.dtype, y_dtype)
+  kernel_x_dtype, narrow_y = y_plan(x.dtype, y_dtype)
   if x.dtype != kernel_x_dtype:
     x = x.astype(kernel_x_dtype)
   narrow = {} if narrow_y is None else dict(y_dtype=narrow_y)  # the kernels round y themselves

@@ -8,11 +8,11 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 from jax.sharding import PartitionSpec
 
-from jax_normgrad import _compat, _dispatch, _settings, _sharding
+from jax_normgrad import _compat, _lowering, _settings, _sharding
 from jax_normgrad.pallas import config
 
 
-def make_primitive(name: str, abstract_eval, lowerings: _dispatch.Lowerings, *,
+def make_primitive(name: str, abstract_eval, lowerings: _lowering.Lowerings, *,
                    roles=None) -> Primitive:
   """A multiple-result primitive with eager impl, lowerings, the folding batcher and a JVP rule.
 
@@ -29,8 +29,8 @@ def make_primitive(name: str, abstract_eval, lowerings: _dispatch.Lowerings, *,
   prim = _Primitive(name)
   prim.multiple_results = True
   prim.def_abstract_eval(_with_varying_axes(abstract_eval))
-  _dispatch.def_impl_via_jit(prim)
-  _dispatch.register_lowerings(prim, lowerings)
+  _lowering.def_impl_via_jit(prim)
+  _lowering.register_lowerings(prim, lowerings)
   xla = lowerings.xla
   if roles is not None:
     _sharding.register_roles(prim, roles)
@@ -43,7 +43,7 @@ class _Primitive(Primitive):
   """A primitive whose binds inside ``pallas.config.override`` carry its changes.
 
   They travel as the static parameter ``tuning`` (absent outside an override),
-  which the lowering applies (``_dispatch.register_lowerings``): the tiles an op
+  which the lowering applies (``_lowering.register_lowerings``): the tiles an op
   is lowered with are part of the traced program, seen by jit's cache.
   """
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _dispatch, _ffi, reference
+from jax_normgrad import _ffi, _lowering, reference
 from jax_normgrad.pallas import group_norm as pallas_gn
 from jax_normgrad.primitives._common import make_primitive, shaped
 from jax_normgrad._operands import GroupNormBwd, GroupNormFwd, unpack
@@ -87,7 +87,7 @@ def _fwd_roles(*, operands, channels_last, **params):
 
 group_norm_fwd_p = make_primitive(
     "jax_normgrad_group_norm_fwd", _fwd_abstract,
-    _dispatch.Lowerings(xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_gn.group_norm_fwd,
+    _lowering.Lowerings(xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_gn.group_norm_fwd,
                         problem=pallas_gn.group_norm_fwd_problem), roles=_fwd_roles)
 
 
@@ -135,5 +135,5 @@ def _bwd_roles(*, operands, channels_last, output_mask, **params):
 
 group_norm_bwd_p = make_primitive(
     "jax_normgrad_group_norm_bwd", _bwd_abstract,
-    _dispatch.Lowerings(xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_gn.group_norm_bwd,
+    _lowering.Lowerings(xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_gn.group_norm_bwd,
                         problem=pallas_gn.group_norm_bwd_problem), roles=_bwd_roles)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _dispatch, _ffi, reference
+from jax_normgrad import _ffi, _lowering, reference
 from jax_normgrad.pallas import layer_norm as pallas_ln
 from jax_normgrad.primitives._common import make_primitive, shaped
 from jax_normgrad._operands import NormBwd, NormFwd, unpack
@@ -114,7 +114,7 @@ def _fwd_roles(*, operands, centered, write_xhat, **params):
 
 layer_norm_fwd_p = make_primitive(
     "jax_normgrad_layer_norm_fwd", _fwd_abstract,
-    _dispatch.Lowerings(xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_ln.layer_norm_fwd,
+    _lowering.Lowerings(xla=_fwd_xla, ffi=_fwd_ffi, pallas=pallas_ln.layer_norm_fwd,
                         problem=pallas_ln.layer_norm_fwd_problem), roles=_fwd_roles)
 
 
@@ -190,5 +190,5 @@ def _bwd_roles(*, operands, output_mask, write_xhat, write_dx_dy=False, **params
 
 layer_norm_bwd_p = make_primitive(
     "jax_normgrad_layer_norm_bwd", _bwd_abstract,
-    _dispatch.Lowerings(xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_ln.layer_norm_bwd,
+    _lowering.Lowerings(xla=_bwd_xla, ffi=_bwd_ffi, pallas=pallas_ln.layer_norm_bwd,
                         problem=pallas_ln.layer_norm_bwd_problem), roles=_bwd_roles)
