@@ -1,16 +1,17 @@
 """The outputs of each primitive, by name: one structure that every piece of an op reads.
 
 A primitive returns the outputs its parameters ask for, in the order of its
-structure's fields. ``*_names(**params)`` says which (from the parameters
-alone: the op reads its results with them before any operand is traced),
-``*_types(operands, **params)`` gives every output's shape and dtype
-(``jax.ShapeDtypeStruct``), returned or not, and :func:`pack` /
-:func:`unpack` go between a structure and the list a primitive returns. The
-abstract evaluation, the lowerings (C++, Pallas, the reference), the
+structure's fields (``NormBwdOut``: dx, dx_dy, dweight, dbias, xhat).
+``*_names(**params)`` says which, from the parameters alone (all that the
+partitioning rule and the ops have); ``*_types(operands, **params)`` gives
+every output's shape and dtype (``jax.ShapeDtypeStruct``), returned or not;
+:func:`pack` and :func:`unpack` go between a structure and the list a
+primitive returns, and :func:`slots` gives the result types of a C++ kernel
+that writes all its outputs in its own order, the absent ones empty. The
+abstract evaluations, the lowerings (C++, Pallas, the reference), the
 partitioning rule and the ops read them alike. ``output_mask`` is
-normalized here once (:func:`output_mask`): RMSNorm's two-long mask has no
-``dbias``.
-"""
+normalized here, once (:func:`output_mask`): RMSNorm's two-long mask has no
+``dbias``."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class GroupNormBwdOut(NamedTuple):
 
 
 def output_mask(mask: Sequence[bool]) -> tuple[bool, bool, bool]:
-  """``(dx, dweight, dbias)``: which a backward computes; a two-long mask (RMSNorm's) has no dbias."""
+  """``(dx, dweight, dbias)``: which a backward computes (RMSNorm's two-long mask: no dbias)."""
   mask = tuple(bool(m) for m in mask)
   return mask + (False,) * (3 - len(mask))
 

@@ -64,7 +64,7 @@ def _xhat(x, mean, rstd):
 
 def layer_norm_fwd(*args, operands, eps, centered, param_groups, write_xhat, y_dtype, interpret,
                    backend="triton", h_dtype=None):
-  """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``, then xhat if asked.
+  """The outputs (``_outputs.NormFwdOut``) of ``x`` ``(M, H)`` that the parameters ask for.
 
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
   ``rstd = 1 / sqrt(sum((x - mean)^2) / H + eps)``,
@@ -93,7 +93,7 @@ def layer_norm_fwd(*args, operands, eps, centered, param_groups, write_xhat, y_d
 
 def layer_norm_bwd(*args, operands, centered, output_mask, param_groups, normalized, write_xhat,
                    interpret, backend="triton", write_dx_dy=False):
-  """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
+  """The outputs (``_outputs.NormBwdOut``) the parameters ask for (see ``reference.layer_norm_bwd``).
 
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row (no
   ``mean(g)`` for RMSNorm), ``g = dy * weight``; ``dweight = sum_rows dy * xhat``,
