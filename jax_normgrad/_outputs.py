@@ -11,7 +11,8 @@ that writes all its outputs in its own order, the absent ones empty. The
 abstract evaluations, the lowerings (C++, Pallas, the reference), the
 partitioning rule and the ops read them alike. ``output_mask`` is
 normalized here, once (:func:`output_mask`): RMSNorm's two-long mask has no
-``dbias``."""
+``dbias``.
+"""
 
 from __future__ import annotations
 
