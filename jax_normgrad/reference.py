@@ -12,13 +12,17 @@ Canonical layouts (the primitives reshape to these; reshapes are free):
   per-example parameters).
 * GroupNorm: ``x`` is ``(N, C, HW)`` or, channels-last, ``(N, HW, C)``;
   statistics ``(N, G)``; parameters ``(W, C)`` float32, samples in ``W`` groups.
+
+Each function returns its primitive's outputs (``jax_normgrad._outputs``) as
+the list the primitive returns.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_normgrad import _activations
+from jax_normgrad import _activations, _operands, _outputs
+from jax_normgrad._outputs import GroupNormBwdOut, GroupNormFwdOut, NormBwdOut, NormFwdOut
 
 F32 = jnp.float32
 
@@ -65,12 +69,11 @@ def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, wr
   if bias is not None:
     y = y + bias[:, None, :]
   y = y.reshape(m, h).astype(y_dtype or x.dtype)
-  outs = [y, mean, rstd] if centered else [y, rstd]
-  if write_xhat:
-    outs.append(xhat.astype(x.dtype))
-  if residual is not None:
-    outs.append(x32.astype(h_dtype or x.dtype))
-  return outs
+  outs = NormFwdOut(y, mean, rstd, xhat.astype(x.dtype) if write_xhat else None,
+                    None if residual is None else x32.astype(h_dtype or x.dtype))
+  _, operands = _operands.pack(_operands.NormFwd(x, residual, weight, bias))
+  return _outputs.pack(outs, _outputs.norm_fwd_names(operands=operands, centered=centered,
+                                                     write_xhat=write_xhat))
 
 
 def layer_norm_bwd(ops, *, centered, output_mask, param_groups, normalized=False,
@@ -91,37 +94,40 @@ def layer_norm_bwd(ops, *, centered, output_mask, param_groups, normalized=False
   """
   dy, x, mean, rstd, dh = ops.dy, ops.x, ops.mean, ops.rstd, ops.dh
   weight = float32_or_none(ops.weight)
+  mask = _outputs.output_mask(output_mask)
   m, h = x.shape
   w = param_groups
   dy32 = _grouped(dy.astype(F32), w)
   x32 = _grouped(x.astype(F32), w)
-  rstd_g = _grouped(rstd.astype(F32), w)[..., None] if output_mask[0] or not normalized else None
+  rstd_g = _grouped(rstd.astype(F32), w)[..., None] if mask[0] or not normalized else None
   if normalized:
     xhat = x32
   elif centered:
     xhat = (x32 - _grouped(mean.astype(F32), w)[..., None]) * rstd_g
   else:
     xhat = x32 * rstd_g
-  outs = []
-  if output_mask[0]:
+  dx = dx_dy = dweight = dbias = xhat_out = None
+  if mask[0]:
     g = dy32 * weight[:, None, :] if weight is not None else dy32
     c2 = jnp.mean(g * xhat, axis=-1, keepdims=True)
     inner = g - xhat * c2
     if centered:
       inner = inner - jnp.mean(g, axis=-1, keepdims=True)
-    dx = (rstd_g * inner).reshape(m, h)
+    dx32 = (rstd_g * inner).reshape(m, h)
     if dh is not None:
-      dx = dx + dh.astype(F32)
-    outs.append(dx.astype(x.dtype))
+      dx32 = dx32 + dh.astype(F32)
+    dx = dx32.astype(x.dtype)
     if write_dx_dy:
-      outs.append(dx.astype(dy.dtype))
-  if output_mask[1]:
-    outs.append(jnp.sum(dy32 * xhat, axis=1))
-  if len(output_mask) > 2 and output_mask[2]:
-    outs.append(jnp.sum(dy32, axis=1))
+      dx_dy = dx32.astype(dy.dtype)
+  if mask[1]:
+    dweight = jnp.sum(dy32 * xhat, axis=1)
+  if mask[2]:
+    dbias = jnp.sum(dy32, axis=1)
   if write_xhat:
-    outs.append(xhat.reshape(m, h).astype(x.dtype))
-  return outs
+    xhat_out = xhat.reshape(m, h).astype(x.dtype)
+  return _outputs.pack(NormBwdOut(dx, dx_dy, dweight, dbias, xhat_out),
+                       _outputs.norm_bwd_names(output_mask=mask, write_xhat=write_xhat,
+                                               write_dx_dy=write_dx_dy))
 
 
 # ----------------------------------------------------------------------------
@@ -170,7 +176,8 @@ def group_norm_fwd(x, weight=None, bias=None, *, eps, group, channels_last, para
   if bias is not None:
     y = y + _gn_param(bias, n, group, channels_last)
   y = _activations.apply(y, activation)
-  return [y.reshape(x.shape).astype(y_dtype or x.dtype), mean, rstd]
+  return _outputs.pack(GroupNormFwdOut(y.reshape(x.shape).astype(y_dtype or x.dtype), mean, rstd),
+                       _outputs.group_norm_fwd_names())
 
 
 def group_norm_bwd(ops, *, group, channels_last, output_mask, param_groups, activation=None):
@@ -196,20 +203,22 @@ def group_norm_bwd(ops, *, group, channels_last, output_mask, param_groups, acti
     if bias is not None:
       z = z + _gn_param(bias.astype(F32), n, group, channels_last)
     dyb = dyb * _activations.grad(z, activation)
-  outs = []
-  if output_mask[0]:
+  mask = _outputs.output_mask(output_mask)
+  dx = dweight = dbias = None
+  if mask[0]:
     g = dyb * _gn_param(weight, n, group, channels_last) if weight is not None else dyb
     c1 = jnp.mean(g, axis=axes, keepdims=True)
     c2 = jnp.mean(g * xhat, axis=axes, keepdims=True)
-    outs.append((rs * (g - c1 - xhat * c2)).reshape(x.shape).astype(x.dtype))
+    dx = (rs * (g - c1 - xhat * c2)).reshape(x.shape).astype(x.dtype)
   hw_axis = 1 if channels_last else 3
 
   def per_channel(v):  # (N, ...) block view -> (W, C) summed over hw and samples
     s = jnp.sum(v, axis=hw_axis).reshape(n, c)
     return s.reshape(param_groups, n // param_groups, c).sum(axis=1)
 
-  if output_mask[1]:
-    outs.append(per_channel(dyb * xhat))
-  if output_mask[2]:
-    outs.append(per_channel(dyb))
-  return outs
+  if mask[1]:
+    dweight = per_channel(dyb * xhat)
+  if mask[2]:
+    dbias = per_channel(dyb)
+  return _outputs.pack(GroupNormBwdOut(dx, dweight, dbias),
+                       _outputs.group_norm_bwd_names(output_mask=mask))

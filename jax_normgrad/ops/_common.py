@@ -1,4 +1,4 @@
-"""Helpers shared by the public ops: output_mask unpacking and the small operands' canonical forms."""
+"""Helpers shared by the public ops: the small operands' canonical forms."""
 
 from __future__ import annotations
 
@@ -30,8 +30,3 @@ def kernel_params(weight, bias, shape, scale_offset=0.0):
     bias = as_f32(bias, shape)
   return weight, bias
 
-
-def unmask(outs, mask, finish):
-  """Re-inserts None for masked outputs; ``finish[i]`` post-processes output i."""
-  outs = list(outs)
-  return tuple(finish[i](outs.pop(0)) if m else None for i, m in enumerate(mask))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_normgrad import _sharding, _validation as v
-from jax_normgrad.ops.layer_norm import _bwd, _check_forward_args, _fwd
+from jax_normgrad.ops._layer_norm_core import bwd, check_forward_args, fwd
 
 F32 = jnp.float32
 
@@ -27,10 +27,9 @@ class _AddConfig(NamedTuple):
 
 
 def _forward(x, residual, weight, bias, cfg):
-  y, mean, rstd, _, h = _fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation,
-                             centered=cfg.centered, residual=residual, h_dtype=cfg.h_dtype,
-                             forward=cfg.forward)
-  return y, h, mean, rstd
+  f = fwd(x, weight, bias, cfg.norm_ndim, cfg.eps, cfg.implementation, centered=cfg.centered,
+          residual=residual, h_dtype=cfg.h_dtype, forward=cfg.forward)
+  return f.y, f.h, f.mean, f.rstd
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -61,7 +60,7 @@ def _add_norm_layer_bwd(cfg, res, cotangents):
   dh = None if isinstance(dh, jax.custom_derivatives.SymbolicZero) else dh
   if isinstance(dy, jax.custom_derivatives.SymbolicZero):
     # y unused: only h's cotangent flows back, and the parameters get none.
-    dg, dg_narrow = (jnp.zeros(h.shape, F32) if dh is None else dh), []
+    dg, dg_narrow = (jnp.zeros(h.shape, F32) if dh is None else dh), None
     dw = None if weight is None else jnp.zeros_like(weight)
     db = None if bias is None else jnp.zeros_like(bias)
   else:
@@ -75,11 +74,11 @@ def _add_norm_layer_bwd(cfg, res, cotangents):
     kernel_weight = weight
     if weight is not None and weight.dtype not in (h.dtype, jnp.float32):
       kernel_weight = weight.astype(jnp.float32)
-    dg, dw, db, *dg_narrow = _bwd(dy, h, mean, rstd, kernel_weight, mask, cfg.norm_ndim,
-                                  cfg.implementation, centered=cfg.centered,
-                                  dh=None if dh is None else dh.astype(h.dtype), dx_dy=narrow)
-    dw = None if dw is None else dw.astype(weight.dtype)
-    db = None if db is None else db.astype(bias.dtype)
+    g = bwd(dy, h, mean, rstd, kernel_weight, mask, cfg.norm_ndim, cfg.implementation,
+            centered=cfg.centered, dh=None if dh is None else dh.astype(h.dtype), dx_dy=narrow)
+    dg, dg_narrow = g.dx, g.dx_dy
+    dw = None if g.dweight is None else g.dweight.astype(weight.dtype)
+    db = None if g.dbias is None else g.dbias.astype(bias.dtype)
   # One gradient for x and residual (d h / d x = d h / d residual = 1), in each one's dtype.
   dx, dres = (_in_dtype(dg, dg_narrow, cfg.x_dtype), _in_dtype(dg, dg_narrow, cfg.residual_dtype))
   return (_sharding.cotangent_like(dx, h), _sharding.cotangent_like(dres, h),
@@ -87,9 +86,9 @@ def _add_norm_layer_bwd(cfg, res, cotangents):
 
 
 def _in_dtype(dg, dg_narrow, dtype):
-  """The gradient in ``dtype``: the kernel's rounded copy where it has that dtype."""
-  if dg_narrow and dg_narrow[0].dtype == dtype:
-    return dg_narrow[0]
+  """The gradient in ``dtype``: the kernel's rounded copy (None: none) where it has that dtype."""
+  if dg_narrow is not None and dg_narrow.dtype == dtype:
+    return dg_narrow
   return dg.astype(dtype)
 
 
@@ -106,7 +105,7 @@ def _check_residual(residual, x):
 
 def _add_norm(x, residual, weight, bias, normalized_shape, eps, residual_dtype, implementation,
               centered, forward=None):
-  x, norm_shape, weight, bias = _check_forward_args(x, normalized_shape, weight, bias)
+  x, norm_shape, weight, bias = check_forward_args(x, normalized_shape, weight, bias)
   residual = _check_residual(residual, x)
   cfg = _AddConfig(len(norm_shape), v.check_eps(eps), centered,
                    v.check_out_dtype(residual_dtype, x, name="residual_dtype"), x.dtype,

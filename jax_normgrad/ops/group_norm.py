@@ -8,9 +8,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _sharding, _validation as v
+from jax_normgrad import _outputs, _sharding, _validation as v
 from jax_normgrad._operands import GroupNormBwd, GroupNormFwd, pack
-from jax_normgrad.ops._common import as_f32, unmask
+from jax_normgrad._outputs import GroupNormBwdOut, GroupNormFwdOut
+from jax_normgrad.ops._common import as_f32
 from jax_normgrad.primitives.group_norm import group_norm_bwd_p, group_norm_fwd_p
 
 
@@ -46,23 +47,26 @@ def _check_params(weight, bias, x, c, weight_name="weight", bias_name="bias"):
 
 def _fwd(x, weight, bias, n, c, hw, group, eps, channels_last, implementation, y_dtype=None,
          activation=None, forward="kernel"):
-  """Canonical forward: y with x's shape in ``y_dtype`` (None: x's), float32 (N, G) mean and rstd.
+  """Canonical forward: the ``GroupNormFwdOut`` y with x's shape in ``y_dtype`` (None: x's),
+  float32 (N, G) mean and rstd.
 
   ``forward``: what lowers it (see ``_dispatch.choose``).
   """
   shape = _canonical_shape(n, c, hw, channels_last)
   args, operands = pack(GroupNormFwd(_sharding.reshape(x, shape), as_f32(weight, (1, c)),
                                      as_f32(bias, (1, c))))
-  y, mean, rstd = _sharding.bind(
-      group_norm_fwd_p, *args, operands=operands, eps=eps, group=group,
-      channels_last=channels_last, param_groups=1, y_dtype=y_dtype, activation=activation,
-      implementation=implementation, forward=forward)
-  return y.reshape(x.shape), mean, rstd
+  params = dict(operands=operands, eps=eps, group=group, channels_last=channels_last,
+                param_groups=1, y_dtype=y_dtype, activation=activation,
+                implementation=implementation, forward=forward)
+  outs = _outputs.unpack(GroupNormFwdOut, _sharding.bind(group_norm_fwd_p, *args, **params),
+                         _outputs.group_norm_fwd_names(**params))
+  return outs._replace(y=outs.y.reshape(x.shape))
 
 
 def _bwd(dy, x, mean, rstd, gamma, n, c, hw, group, output_mask, channels_last, implementation,
          param_shape, beta=None, activation=None):
-  """Canonical backward; returns masked (dx in x's shape/dtype, float32 dgamma, dbeta).
+  """Canonical backward: the ``GroupNormBwdOut`` of ``output_mask`` (dx in x's shape and dtype,
+  float32 dweight and dbias in ``param_shape``), None where not computed.
 
   With an ``activation``, dy is the cotangent of ``act(z)`` and ``beta`` (if
   any) is read to recompute z; without one beta is not an operand.
@@ -72,13 +76,14 @@ def _bwd(dy, x, mean, rstd, gamma, n, c, hw, group, output_mask, channels_last, 
   args, operands = pack(GroupNormBwd(_sharding.reshape(dy, shape), _sharding.reshape(x, shape),
                                      as_f32(mean, (n, group)), as_f32(rstd, (n, group)),
                                      as_f32(gamma, (1, c)), as_f32(beta, (1, c))))
-  outs = _sharding.bind(
-      group_norm_bwd_p, *args, operands=operands, group=group, channels_last=channels_last,
-      activation=activation, output_mask=output_mask, param_groups=1,
-      implementation=implementation)
-  return unmask(outs, output_mask, (lambda a: a.reshape(x.shape),
-                                    lambda a: a.reshape(param_shape),
-                                    lambda a: a.reshape(param_shape)))
+  params = dict(operands=operands, group=group, channels_last=channels_last,
+                activation=activation, output_mask=_outputs.output_mask(output_mask),
+                param_groups=1, implementation=implementation)
+  outs = _outputs.unpack(GroupNormBwdOut, _sharding.bind(group_norm_bwd_p, *args, **params),
+                         _outputs.group_norm_bwd_names(**params))
+  to_param = lambda a: None if a is None else a.reshape(param_shape)
+  return GroupNormBwdOut(None if outs.dx is None else outs.dx.reshape(x.shape),
+                         to_param(outs.dweight), to_param(outs.dbias))
 
 
 def group_norm_fwd(x, weight, bias, N, C, HxW, group, eps=1e-5, *, channels_last=False,
@@ -115,7 +120,7 @@ def group_norm_fwd(x, weight, bias, N, C, HxW, group, eps=1e-5, *, channels_last
   weight, bias = _check_params(weight, bias, x, c)
   eps = v.check_eps(eps)
   implementation = v.check_implementation(implementation)
-  return _fwd(x, weight, bias, n, c, hw, group, eps, bool(channels_last), implementation)
+  return tuple(_fwd(x, weight, bias, n, c, hw, group, eps, bool(channels_last), implementation))
 
 
 def group_norm_backward(grad_out, x, mean, rstd, gamma, N, C, HxW, group,
@@ -172,24 +177,24 @@ def group_norm_backward(grad_out, x, mean, rstd, gamma, N, C, HxW, group,
     return (None, None, None)
   param_shape = gamma.shape if gamma is not None else (c,)
   pdtype = gamma.dtype if gamma is not None else x.dtype
-  dx, dg, db = _bwd(grad_out, x, mean, rstd, gamma, n, c, hw, group, mask, bool(channels_last),
-                    implementation, param_shape)
+  g = _bwd(grad_out, x, mean, rstd, gamma, n, c, hw, group, mask, bool(channels_last),
+           implementation, param_shape)
   cast = lambda a: None if a is None else a.astype(pdtype)
-  return dx, cast(dg), cast(db)
+  return g.dx, cast(g.dweight), cast(g.dbias)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9, 10))
 def _group_norm(x, weight, bias, layout, group, eps, channels_last, implementation, out_dtype,
                 activation, forward):
   return _fwd(x, weight, bias, *layout, group, eps, channels_last, implementation, out_dtype,
-              activation, forward)[0]
+              activation, forward).y
 
 
 def _group_norm_vjp_fwd(x, weight, bias, layout, group, eps, channels_last, implementation,
                         out_dtype, activation, forward):
-  y, mean, rstd = _fwd(x, weight, bias, *layout, group, eps, channels_last, implementation,
-                       out_dtype, activation, forward)
-  return y, (x, mean, rstd, weight, bias)
+  f = _fwd(x, weight, bias, *layout, group, eps, channels_last, implementation, out_dtype,
+           activation, forward)
+  return f.y, (x, f.mean, f.rstd, weight, bias)
 
 
 def _group_norm_vjp_bwd(layout, group, eps, channels_last, implementation, out_dtype, activation,
@@ -198,12 +203,12 @@ def _group_norm_vjp_bwd(layout, group, eps, channels_last, implementation, out_d
   x, mean, rstd, weight, bias = res
   mask = (True, weight is not None, bias is not None)
   n, c, hw = layout
-  dx, dw, db = _bwd(dy, x, mean, rstd, weight, n, c, hw, group, mask, channels_last,
-                    implementation, (c,), beta=bias, activation=activation)
-  dw = None if dw is None else dw.astype(weight.dtype)
-  db = None if db is None else db.astype(bias.dtype)
+  g = _bwd(dy, x, mean, rstd, weight, n, c, hw, group, mask, channels_last, implementation, (c,),
+           beta=bias, activation=activation)
+  dw = None if g.dweight is None else g.dweight.astype(weight.dtype)
+  db = None if g.dbias is None else g.dbias.astype(bias.dtype)
   # Under shard_map a replicated weight's gradient is the psum of the local ones.
-  return (_sharding.cotangent_like(dx, x), _sharding.cotangent_like(dw, weight),
+  return (_sharding.cotangent_like(g.dx, x), _sharding.cotangent_like(dw, weight),
           _sharding.cotangent_like(db, bias))
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from jax_normgrad import _validation as v
 from jax_normgrad.ops._common import F32
-from jax_normgrad.ops.layer_norm import _bwd
+from jax_normgrad.ops._layer_norm_core import bwd
 
 
 def _check_rows(pairs, x_name, x):
@@ -73,9 +73,9 @@ def layer_norm_grad(dy, x, variance, mean, gamma, epsilon, *, implementation=Non
     v.check_shape("gamma", gamma, x.shape[-1:], "(H,), x's last dim")
   epsilon = v.check_eps(epsilon, "epsilon")
   implementation = v.check_implementation(implementation)
-  pd_x, _, _, res_for_gamma = _bwd(dy, x, mean, _rstd_of(variance, epsilon), gamma,
-                                   (True, False, False), 1, implementation, write_xhat=True)
-  return pd_x, res_for_gamma
+  g = bwd(dy, x, mean, _rstd_of(variance, epsilon), gamma, (True, False, False), 1,
+          implementation, write_xhat=True)
+  return g.dx, g.xhat
 
 
 def layer_norm_grad_beta(dy, res_for_gamma, normalized_shape=None, *, implementation=None):
@@ -106,9 +106,9 @@ def layer_norm_grad_beta(dy, res_for_gamma, normalized_shape=None, *, implementa
   _check_rows((("dy", dy),), "res_for_gamma", res_for_gamma)
   norm_shape = v.normalized_shape_of(normalized_shape, res_for_gamma, x_name="res_for_gamma")
   implementation = v.check_implementation(implementation)
-  _, pd_gamma, pd_beta = _bwd(dy, res_for_gamma, None, None, None, (False, True, True),
-                              len(norm_shape), implementation, normalized=True)
-  return pd_gamma, pd_beta
+  g = bwd(dy, res_for_gamma, None, None, None, (False, True, True), len(norm_shape),
+          implementation, normalized=True)
+  return g.dweight, g.dbias
 
 
 def layer_norm_backward_from_normalized(grad_output, weight, input_standardization,
@@ -157,7 +157,7 @@ def layer_norm_backward_from_normalized(grad_output, weight, input_standardizati
     v.check_param_dtype("weight", weight, xhat)
     v.check_shape("weight", weight, xhat.shape[-1:], "(L,), the inputs' last dim")
   implementation = v.check_implementation(implementation)
-  dx, dw, db = _bwd(grad_output, xhat, None, _rstd_of(std), weight, (True, True, True), 1,
-                    implementation, normalized=True)
+  g = bwd(grad_output, xhat, None, _rstd_of(std), weight, (True, True, True), 1, implementation,
+          normalized=True)
   pdtype = v.param_grad_dtype(weight, None, xhat)
-  return dx, dw.astype(pdtype), db.astype(pdtype)
+  return g.dx, g.dweight.astype(pdtype), g.dbias.astype(pdtype)

@@ -1,12 +1,12 @@
-"""RMSNorm: the differentiable layer, the forward with statistics and the backward op (LayerNorm's kernels, centered=False)."""
+"""RMSNorm: the differentiable layer, the forward with statistics and the backward op (LayerNorm's kernels and core, centered=False)."""
 
 from __future__ import annotations
 
 import math
 
 from jax_normgrad import _validation as v
-from jax_normgrad.ops.layer_norm import (_bwd, _check_forward_args, _check_params, _check_stats,
-                                         _fwd, _LayerConfig, _norm_layer, _stats_shape)
+from jax_normgrad.ops._layer_norm_core import (LayerConfig, bwd, check_forward_args, check_params,
+                                               check_stats, fwd, norm_layer, stats_shape)
 
 
 def rms_norm_fwd(x, normalized_shape, weight=None, eps=1e-6, *, scale_offset=0.0,
@@ -36,13 +36,13 @@ def rms_norm_fwd(x, normalized_shape, weight=None, eps=1e-6, *, scale_offset=0.0
   Raises:
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
   """
-  x, norm_shape, weight, _ = _check_forward_args(x, normalized_shape, weight, None)
+  x, norm_shape, weight, _ = check_forward_args(x, normalized_shape, weight, None)
   eps = v.check_eps(eps)
   scale_offset = v.check_scale_offset(scale_offset, weight)
   implementation = v.check_implementation(implementation)
-  y, _, rstd, _, _ = _fwd(x, weight, None, len(norm_shape), eps, implementation, centered=False,
-                       scale_offset=scale_offset)
-  return y, rstd.reshape(_stats_shape(x, len(norm_shape)))
+  f = fwd(x, weight, None, len(norm_shape), eps, implementation, centered=False,
+          scale_offset=scale_offset)
+  return f.y, f.rstd.reshape(stats_shape(x, len(norm_shape)))
 
 
 def rms_norm_backward(grad_out, x, normalized_shape, rstd, weight=None, output_mask=(True, True),
@@ -86,17 +86,17 @@ def rms_norm_backward(grad_out, x, normalized_shape, rstd, weight=None, output_m
   v.check_shape("grad_out", grad_out, x.shape, "x.shape")
   norm_shape = v.normalized_shape_of(normalized_shape, x)
   rows = math.prod(x.shape[:x.ndim - len(norm_shape)])
-  _check_stats((("rstd", rstd),), x, rows)
-  weight, _ = _check_params(weight, None, x, norm_shape)
+  check_stats((("rstd", rstd),), x, rows)
+  weight, _ = check_params(weight, None, x, norm_shape)
   mask = v.check_output_mask(output_mask, length=2)
   scale_offset = v.check_scale_offset(scale_offset, weight)
   implementation = v.check_implementation(implementation)
   if not any(mask):
     return (None, None)
-  dx, dw, _ = _bwd(grad_out, x, None, rstd, weight, mask, len(norm_shape), implementation,
-                   centered=False, scale_offset=scale_offset)
+  g = bwd(grad_out, x, None, rstd, weight, mask, len(norm_shape), implementation, centered=False,
+          scale_offset=scale_offset)
   pdtype = v.param_grad_dtype(weight, None, x)
-  return dx, None if dw is None else dw.astype(pdtype)
+  return g.dx, None if g.dweight is None else g.dweight.astype(pdtype)
 
 
 def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.0,
@@ -136,9 +136,9 @@ def rms_norm(x, weight=None, *, normalized_shape=None, eps=1e-6, scale_offset=0.
   Raises:
     ValueError: bad shapes or values. TypeError: bad dtypes or argument kinds.
   """
-  x, norm_shape, weight, _ = _check_forward_args(x, normalized_shape, weight, None)
-  cfg = _LayerConfig(len(norm_shape), v.check_eps(eps), False,
-                     v.check_scale_offset(scale_offset, weight), "input",
-                     v.check_implementation(implementation),
-                     v.check_out_dtype(out_dtype, x, narrowing=True), v.check_forward(forward))
-  return _norm_layer(x, weight, None, cfg)
+  x, norm_shape, weight, _ = check_forward_args(x, normalized_shape, weight, None)
+  cfg = LayerConfig(len(norm_shape), v.check_eps(eps), False,
+                    v.check_scale_offset(scale_offset, weight), "input",
+                    v.check_implementation(implementation),
+                    v.check_out_dtype(out_dtype, x, narrowing=True), v.check_forward(forward))
+  return norm_layer(x, weight, None, cfg)

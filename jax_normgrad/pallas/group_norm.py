@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from jax_normgrad import _outputs
 from jax_normgrad.pallas import common, kernels
 from jax_normgrad._operands import GroupNormBwd, GroupNormFwd, unpack
+from jax_normgrad._outputs import GroupNormBwdOut, GroupNormFwdOut
 
 
 def _groups(x, group, channels_last, param_groups, activation):
@@ -27,7 +29,7 @@ def group_norm_bwd_problem(*args, operands, group, channels_last, activation, ou
   del unused
   o = unpack(GroupNormBwd, args, operands)
   return kernels.backward_problem(_groups(o.x, group, channels_last, param_groups, activation),
-                                  o.x.dtype, tuple(output_mask), size=o.x.size,
+                                  o.x.dtype, _outputs.output_mask(output_mask), size=o.x.size,
                                   dy_dtype=o.dy.dtype)
 
 
@@ -42,8 +44,9 @@ def group_norm_fwd(*args, operands, eps, group, channels_last, param_groups, y_d
   """
   x, weight, bias = unpack(GroupNormFwd, args, operands)
   seg = _groups(x, group, channels_last, param_groups, activation)
-  return list(kernels.forward(seg, x, weight, bias, eps=eps, interpret=interpret,
-                              y_dtype=y_dtype, backend=backend))
+  outs = kernels.forward(seg, x, weight, bias, eps=eps, interpret=interpret, y_dtype=y_dtype,
+                         backend=backend)
+  return _outputs.pack(GroupNormFwdOut(*outs), _outputs.group_norm_fwd_names())
 
 
 def group_norm_bwd(*args, operands, group, channels_last, activation, output_mask, param_groups,
@@ -57,6 +60,7 @@ def group_norm_bwd(*args, operands, group, channels_last, activation, output_mas
   """
   dy, x, mean, rstd, weight, bias = unpack(GroupNormBwd, args, operands)
   seg = _groups(x, group, channels_last, param_groups, activation)
-  outs = kernels.backward(seg, dy, x, mean, rstd, weight, tuple(output_mask),
-                          interpret=interpret, backend=backend, bias=bias)
-  return [o for o, m in zip(outs, output_mask) if m]
+  mask = _outputs.output_mask(output_mask)
+  outs = kernels.backward(seg, dy, x, mean, rstd, weight, mask, interpret=interpret,
+                          backend=backend, bias=bias)
+  return _outputs.pack(GroupNormBwdOut(*outs), _outputs.group_norm_bwd_names(output_mask=mask))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_normgrad import reference
+from jax_normgrad import _outputs, reference
 from jax_normgrad.pallas import common, kernels
 from jax_normgrad._operands import NormBwd, NormFwd, unpack
+from jax_normgrad._outputs import NormBwdOut, NormFwdOut
 
 F32 = jnp.float32
 
@@ -24,10 +25,6 @@ def _kernel_x_dtype(x_dtype, normalized, mask):
   return jnp.dtype(x_dtype)
 
 
-def _mask(output_mask):
-  return tuple(output_mask) + (False,) * (3 - len(output_mask))
-
-
 def layer_norm_fwd_problem(*args, operands, centered, param_groups, y_dtype, h_dtype=None,
                            **unused) -> kernels.Problem:
   """The kernels' problem of ``layer_norm_fwd`` with these operands (shapes and dtypes)."""
@@ -43,7 +40,7 @@ def layer_norm_bwd_problem(*args, operands, centered, output_mask, param_groups,
   """The kernels' problem of ``layer_norm_bwd`` with these operands (shapes and dtypes)."""
   del unused
   o = unpack(NormBwd, args, operands)
-  mask = _mask(output_mask)
+  mask = _outputs.output_mask(output_mask)
   dh_dtype = o.dh.dtype if o.dh is not None and not normalized else None
   x_dtype = _kernel_x_dtype(o.x.dtype, normalized, mask)
   dy_dtype = x_dtype if x_dtype != o.x.dtype else o.dy.dtype  # widened together
@@ -67,7 +64,7 @@ def _xhat(x, mean, rstd):
 
 def layer_norm_fwd(*args, operands, eps, centered, param_groups, write_xhat, y_dtype, interpret,
                    backend="triton", h_dtype=None):
-  """``[y, mean, rstd]`` (``[y, rstd]`` when not centered) of ``x`` ``(M, H)``, then xhat if asked.
+  """The outputs (``_outputs.NormFwdOut``) of ``x`` ``(M, H)`` that the parameters ask for.
 
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
   ``rstd = 1 / sqrt(sum((x - mean)^2) / H + eps)``,
@@ -88,14 +85,15 @@ def layer_norm_fwd(*args, operands, eps, centered, param_groups, write_xhat, y_d
                                       **extra)
   mean = mean.reshape(seg.n) if centered else None
   rstd = rstd.reshape(seg.n)
-  outs = [y.reshape(x.shape)] + ([mean, rstd] if centered else [rstd])
-  return (outs + ([_xhat(x, mean, rstd)] if write_xhat else [])
-          + [a.reshape(x.shape) for a in h])
+  outs = NormFwdOut(y.reshape(x.shape), mean, rstd, _xhat(x, mean, rstd) if write_xhat else None,
+                    h[0].reshape(x.shape) if h else None)
+  return _outputs.pack(outs, _outputs.norm_fwd_names(operands=operands, centered=centered,
+                                                     write_xhat=write_xhat))
 
 
 def layer_norm_bwd(*args, operands, centered, output_mask, param_groups, normalized, write_xhat,
                    interpret, backend="triton", write_dx_dy=False):
-  """The ``output_mask``'ed of ``[dx, dweight, dbias]``, then xhat if asked (see ``reference.layer_norm_bwd``).
+  """The outputs (``_outputs.NormBwdOut``) the parameters ask for (see ``reference.layer_norm_bwd``).
 
   ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` per row (no
   ``mean(g)`` for RMSNorm), ``g = dy * weight``; ``dweight = sum_rows dy * xhat``,
@@ -110,7 +108,7 @@ def layer_norm_bwd(*args, operands, centered, output_mask, param_groups, normali
   after dx, rounded to dy's dtype (``kernels.backward``).
   """
   dy, x, mean, rstd, weight, dh = unpack(NormBwd, args, operands)
-  mask = _mask(output_mask)
+  mask = _outputs.output_mask(output_mask)
   m = x.shape[0]
   weight = reference.float32_or_none(weight)  # as in layer_norm_fwd
   kernel_rstd = rstd
@@ -127,15 +125,15 @@ def layer_norm_bwd(*args, operands, centered, output_mask, param_groups, normali
                           None if mean is None else mean.reshape(seg.n, 1),
                           kernel_rstd.reshape(seg.n, 1), weight, mask, interpret=interpret,
                           backend=backend, dh=kernel_dh, dx_dy=kernel_dx_dy)
-  dx = None if outs[0] is None else outs[0].reshape(x.shape)
-  dx_dy = [outs[3].reshape(x.shape)] if kernel_dx_dy else []
+  dx, dweight, dbias = outs[:3]
+  dx = None if dx is None else dx.reshape(x.shape)
+  dx_dy = outs[3].reshape(x.shape) if kernel_dx_dy else None
   if dx is not None and normalized:
     dx32 = dx.astype(F32) * rstd[:, None]
     dx32 = dx32 if dh is None else dx32 + dh.astype(F32)
     dx = dx32.astype(x.dtype)
-    dx_dy = [dx32.astype(dy.dtype)] if write_dx_dy else []
-  result = [o for o, m_ in zip((dx,) + tuple(outs[1:3]), mask) if m_]
-  result[1:1] = dx_dy
-  if write_xhat:
-    result.append(x if normalized else _xhat(x, mean, rstd))
-  return result
+    dx_dy = dx32.astype(dy.dtype) if write_dx_dy else None
+  xhat = (x if normalized else _xhat(x, mean, rstd)) if write_xhat else None
+  return _outputs.pack(NormBwdOut(dx, dx_dy, dweight, dbias, xhat),
+                       _outputs.norm_bwd_names(output_mask=mask, write_xhat=write_xhat,
+                                               write_dx_dy=write_dx_dy))

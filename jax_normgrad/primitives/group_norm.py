@@ -6,6 +6,8 @@ The operands, named by ``jax_normgrad._operands`` (``GroupNormFwd``,
 of shape ``(N, G)`` float32; ``weight``/``bias`` of shape ``(W, C)`` float32,
 ``W = param_groups``. As for LayerNorm, the forward's ``y_dtype`` (None: x's
 dtype, or float32) is y's dtype, and ``dy`` is in x's dtype or float32.
+The outputs are named by ``jax_normgrad._outputs`` (``GroupNormFwdOut``,
+``GroupNormBwdOut``).
 
 ``activation`` (None, "silu", "gelu", "relu"; ``jax_normgrad._activations``)
 fuses an activation: the forward's y is ``act(xhat * gamma + beta)``, and
@@ -15,19 +17,11 @@ to recompute the pre-activation value.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
-from jax_normgrad import _ffi, _lowering, reference
+from jax_normgrad import _ffi, _lowering, _outputs, reference
 from jax_normgrad.pallas import group_norm as pallas_gn
 from jax_normgrad.primitives._common import make_primitive, shaped
 from jax_normgrad._operands import GroupNormBwd, GroupNormFwd, unpack
-
-F32 = jnp.float32
-
-
-def _channels(x, channels_last):
-  return x.shape[2] if channels_last else x.shape[1]
+from jax_normgrad._outputs import GroupNormBwdOut, GroupNormFwdOut
 
 
 # ----------------------------------------------------------------------------
@@ -37,9 +31,9 @@ def _channels(x, channels_last):
 def _fwd_abstract(*args, operands, eps, group, channels_last, param_groups, y_dtype, activation,
                   implementation):
   del eps, channels_last, param_groups, activation, implementation
-  x = unpack(GroupNormFwd, args, operands).x
-  return [shaped(x.shape, y_dtype or x.dtype), shaped((x.shape[0], group), F32),
-          shaped((x.shape[0], group), F32)]
+  types = _outputs.group_norm_fwd_types(unpack(GroupNormFwd, args, operands), group=group,
+                                        y_dtype=y_dtype)
+  return [shaped(t.shape, t.dtype) for t in _outputs.pack(types, _outputs.group_norm_fwd_names())]
 
 
 def _fwd_xla(*args, operands, eps, group, channels_last, param_groups, y_dtype, activation):
@@ -50,39 +44,40 @@ def _fwd_xla(*args, operands, eps, group, channels_last, param_groups, y_dtype, 
 
 
 def _fwd_ffi(*args, operands, eps, group, channels_last, param_groups, y_dtype, activation):
-  x, weight, bias = unpack(GroupNormFwd, args, operands)
-  stats = jax.ShapeDtypeStruct((x.shape[0], group), F32)
-  y_type = jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype)
+  x, weight, bias = o = unpack(GroupNormFwd, args, operands)
+  types = _outputs.group_norm_fwd_types(o, group=group, y_dtype=y_dtype)
   attrs = dict(group=group, param_groups=param_groups, has_weight=weight is not None,
                has_bias=bias is not None, activation=_ffi.ACTIVATION_CODES[activation])
   if not channels_last:
-    return list(_ffi.call("jax_normgrad_group_norm_fwd", [y_type, stats, stats], x, weight, bias,
-                          eps=eps, channels_last=channels_last, **attrs))
+    outs = _ffi.call("jax_normgrad_group_norm_fwd", list(types), x, weight, bias, eps=eps,
+                     channels_last=channels_last, **attrs)
+    return _outputs.pack(GroupNormFwdOut(*outs), _outputs.group_norm_fwd_names())
   # Channels-last statistics need a pass over the whole sample before y's
   # pass, so the forward is two calls: the statistics (an empty y), then y.
   # XLA drops the second where y is unused, as it does for jnp code: jax.grad
   # of a loss whose gradient needs only the statistics (a one-pass forward).
   _, mean, rstd = _ffi.call("jax_normgrad_group_norm_fwd",
-                            [jax.ShapeDtypeStruct((0,), y_type.dtype), stats, stats], x, weight,
-                            bias, eps=eps, channels_last=True, **attrs)
-  y = _ffi.call("jax_normgrad_group_norm_apply", [y_type], x, mean, rstd, weight, bias, **attrs)[0]
-  return [y, mean, rstd]
+                            _outputs.slots(types, ("mean", "rstd"), GroupNormFwdOut._fields), x,
+                            weight, bias, eps=eps, channels_last=True, **attrs)
+  y = _ffi.call("jax_normgrad_group_norm_apply", [types.y], x, mean, rstd, weight, bias,
+                **attrs)[0]
+  return _outputs.pack(GroupNormFwdOut(y, mean, rstd), _outputs.group_norm_fwd_names())
 
 
 def _roles(channels_last):
-  """Axis names of each operand for the partitioning rule.
+  """Axis names of each operand and output for the partitioning rule.
 
   Samples "r", channels "c", spatial "s", groups "g", parameter rows "w".
   """
-  x = ("r", "s", "c") if channels_last else ("r", "c", "s")
-  return {"x": x, "dy": x, "mean": ("r", "g"), "rstd": ("r", "g"), "weight": ("w", "c"),
-          "bias": ("w", "c")}
+  x, stats, param = ("r", "s", "c") if channels_last else ("r", "c", "s"), ("r", "g"), ("w", "c")
+  return {"x": x, "dy": x, "mean": stats, "rstd": stats, "weight": param, "bias": param,
+          "y": x, "dx": x, "dweight": param, "dbias": param}
 
 
 def _fwd_roles(*, operands, channels_last, **params):
-  del params
   roles = _roles(channels_last)
-  return [roles[name] for name in operands], [roles["x"], roles["mean"], roles["rstd"]]
+  return ([roles[name] for name in operands],
+          [roles[name] for name in _outputs.group_norm_fwd_names(**params)])
 
 
 group_norm_fwd_p = make_primitive(
@@ -99,9 +94,10 @@ group_norm_fwd_p = make_primitive(
 def _bwd_abstract(*args, operands, group, channels_last, activation, output_mask, param_groups,
                   implementation):
   del group, activation, implementation
-  x = unpack(GroupNormBwd, args, operands).x
-  outs = [shaped(x.shape, x.dtype)] if output_mask[0] else []
-  return outs + [shaped((param_groups, _channels(x, channels_last)), F32)] * sum(output_mask[1:])
+  types = _outputs.group_norm_bwd_types(unpack(GroupNormBwd, args, operands),
+                                        channels_last=channels_last, param_groups=param_groups)
+  return [shaped(t.shape, t.dtype)
+          for t in _outputs.pack(types, _outputs.group_norm_bwd_names(output_mask=output_mask))]
 
 
 def _bwd_xla(*args, operands, group, channels_last, activation, output_mask, param_groups):
@@ -111,26 +107,25 @@ def _bwd_xla(*args, operands, group, channels_last, activation, output_mask, par
 
 
 def _bwd_ffi(*args, operands, group, channels_last, activation, output_mask, param_groups):
-  dy, x, mean, rstd, weight, bias = unpack(GroupNormBwd, args, operands)
-  c = _channels(x, channels_last)
-  param_shape = (param_groups, c)
-  out_types = [jax.ShapeDtypeStruct(x.shape if output_mask[0] else (0,), x.dtype),
-               jax.ShapeDtypeStruct(param_shape if output_mask[1] else (0,), F32),
-               jax.ShapeDtypeStruct(param_shape if output_mask[2] else (0,), F32)]
-  outs = _ffi.call("jax_normgrad_group_norm_bwd", out_types, dy, x, mean, rstd, weight, bias,
-                   group=group, param_groups=param_groups, channels_last=channels_last,
-                   has_gamma=weight is not None, has_beta=bias is not None,
-                   activation=_ffi.ACTIVATION_CODES[activation],
-                   compute_dx=output_mask[0], compute_dgamma=output_mask[1],
-                   compute_dbeta=output_mask[2])
-  return [o for o, m in zip(outs, output_mask) if m]
+  o = unpack(GroupNormBwd, args, operands)
+  mask = _outputs.output_mask(output_mask)
+  names = _outputs.group_norm_bwd_names(output_mask=mask)
+  types = _outputs.group_norm_bwd_types(o, channels_last=channels_last,
+                                        param_groups=param_groups)
+  # The C++ backward writes the three in the structure's order, the absent ones empty.
+  outs = _ffi.call("jax_normgrad_group_norm_bwd",
+                   _outputs.slots(types, names, GroupNormBwdOut._fields), o.dy, o.x, o.mean,
+                   o.rstd, o.weight, o.bias, group=group, param_groups=param_groups,
+                   channels_last=channels_last, has_gamma=o.weight is not None,
+                   has_beta=o.bias is not None, activation=_ffi.ACTIVATION_CODES[activation],
+                   compute_dx=mask[0], compute_dgamma=mask[1], compute_dbeta=mask[2])
+  return _outputs.pack(_outputs.unpack(GroupNormBwdOut, outs, GroupNormBwdOut._fields), names)
 
 
-def _bwd_roles(*, operands, channels_last, output_mask, **params):
-  del params
+def _bwd_roles(*, operands, channels_last, **params):
   roles = _roles(channels_last)
   return ([roles[name] for name in operands],
-          [roles["x"]] * output_mask[0] + [roles["weight"]] * sum(output_mask[1:]))
+          [roles[name] for name in _outputs.group_norm_bwd_names(**params)])
 
 
 group_norm_bwd_p = make_primitive(

@@ -8,6 +8,8 @@ H)``, ``W = param_groups``, float32 or x's dtype (the two
 alike; every lowering computes in float32, and the CPU kernels read 16-bit
 parameters without a float32 copy). ``centered=False`` is
 RMSNorm (no mean: no ``mean`` operand or output, no ``mean(g)`` term).
+The outputs, named by ``jax_normgrad._outputs`` (``NormFwdOut``,
+``NormBwdOut``), are those the parameters ask for, in their fields' order.
 The forward's ``y_dtype`` (None: x's dtype, float32, or a 16-bit dtype with a
 float32 x) is y's dtype: a 16-bit x with float32 parameters gives a float32
 y, read and computed without a float32 copy of x; its backward then takes a
@@ -45,13 +47,13 @@ forms of plain LayerNorm only.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from jax_normgrad import _ffi, _lowering, reference
+from jax_normgrad import _ffi, _lowering, _outputs, reference
 from jax_normgrad.pallas import layer_norm as pallas_ln
 from jax_normgrad.primitives._common import make_primitive, shaped
 from jax_normgrad._operands import NormBwd, NormFwd, unpack
+from jax_normgrad._outputs import NormBwdOut, NormFwdOut
 
 F32 = jnp.float32
 
@@ -64,15 +66,13 @@ def _fwd_abstract(*args, operands, eps, centered, param_groups, write_xhat, y_dt
                   implementation, h_dtype=None):
   del eps, param_groups, implementation
   o = unpack(NormFwd, args, operands)
-  has_residual = o.residual is not None
-  if has_residual and write_xhat:
+  if o.residual is not None and write_xhat:
     raise ValueError("write_xhat: not available with a residual (the residual form's backward "
                      "reads h, which it writes anyway; see the module docstring)")
-  x = o.x
-  m = x.shape[0]
-  stats = [shaped((m,), F32)] * (2 if centered else 1)
-  return ([shaped(x.shape, y_dtype or x.dtype)] + stats
-          + [shaped(x.shape, x.dtype)] * write_xhat + [shaped(x.shape, h_dtype or x.dtype)] * has_residual)
+  names = _outputs.norm_fwd_names(operands=operands, centered=centered, write_xhat=write_xhat)
+  return [shaped(t.shape, t.dtype)
+          for t in _outputs.pack(_outputs.norm_fwd_types(o, y_dtype=y_dtype, h_dtype=h_dtype),
+                                 names)]
 
 
 def _fwd_xla(*args, operands, eps, centered, param_groups, write_xhat, y_dtype, h_dtype=None):
@@ -82,34 +82,34 @@ def _fwd_xla(*args, operands, eps, centered, param_groups, write_xhat, y_dtype, 
                                   y_dtype=y_dtype, residual=o.residual, h_dtype=h_dtype)
 
 
+#: The results of the C++ forward, in its order (every one written; the absent ones empty).
+_FFI_FWD_ORDER = ("y", "mean", "rstd", "xhat", "h")
+
+
 def _fwd_ffi(*args, operands, eps, centered, param_groups, write_xhat, y_dtype, h_dtype=None):
   o = unpack(NormFwd, args, operands)
-  x, has_residual = o.x, o.residual is not None
-  m = x.shape[0]
-  out_types = [jax.ShapeDtypeStruct(x.shape, y_dtype or x.dtype),
-               jax.ShapeDtypeStruct((m if centered else 0,), F32),
-               jax.ShapeDtypeStruct((m,), F32),
-               jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype),
-               jax.ShapeDtypeStruct(x.shape if has_residual else (0,), h_dtype or x.dtype)]
-  y, mean, rstd, xhat, h = _ffi.call(
-      "jax_normgrad_layer_norm_fwd", out_types, x, o.residual, o.weight, o.bias, eps=eps,
-      param_groups=param_groups, has_weight=o.weight is not None, has_bias=o.bias is not None,
-      centered=centered, write_xhat=write_xhat, has_residual=has_residual)
-  return ([y] + ([mean] if centered else []) + [rstd] + ([xhat] if write_xhat else [])
-          + ([h] if has_residual else []))
+  names = _outputs.norm_fwd_names(operands=operands, centered=centered, write_xhat=write_xhat)
+  types = _outputs.norm_fwd_types(o, y_dtype=y_dtype, h_dtype=h_dtype)
+  outs = _ffi.call(
+      "jax_normgrad_layer_norm_fwd", _outputs.slots(types, names, _FFI_FWD_ORDER), o.x,
+      o.residual, o.weight, o.bias, eps=eps, param_groups=param_groups,
+      has_weight=o.weight is not None, has_bias=o.bias is not None, centered=centered,
+      write_xhat=write_xhat, has_residual=o.residual is not None)
+  return _outputs.pack(_outputs.unpack(NormFwdOut, outs, _FFI_FWD_ORDER), names)
 
 
-# Axis names for the partitioning rule (``_sharding.register_roles``): rows
-# "r", the normalized width "h", parameter rows "w".
+# Axis names of the operands and outputs for the partitioning rule
+# (``_sharding.register_roles``): rows "r", the normalized width "h",
+# parameter rows "w".
 _ROWS, _STATS, _PARAM = ("r", "h"), ("r",), ("w", "h")
 _ROLES = {"x": _ROWS, "residual": _ROWS, "dy": _ROWS, "dh": _ROWS, "mean": _STATS,
-          "rstd": _STATS, "weight": _PARAM, "bias": _PARAM}
+          "rstd": _STATS, "weight": _PARAM, "bias": _PARAM, "y": _ROWS, "xhat": _ROWS,
+          "h": _ROWS, "dx": _ROWS, "dx_dy": _ROWS, "dweight": _PARAM, "dbias": _PARAM}
 
 
-def _fwd_roles(*, operands, centered, write_xhat, **params):
-  del params
+def _fwd_roles(*, operands, **params):
   return ([_ROLES[name] for name in operands],
-          [_ROWS] + [_STATS] * (1 + centered) + [_ROWS] * (write_xhat + ("residual" in operands)))
+          [_ROLES[name] for name in _outputs.norm_fwd_names(operands=operands, **params)])
 
 
 layer_norm_fwd_p = make_primitive(
@@ -128,9 +128,10 @@ def _bwd_abstract(*args, operands, centered, output_mask, param_groups, normaliz
   del centered, normalized, implementation
   o = unpack(NormBwd, args, operands)
   dy, x, has_dh = o.dy, o.x, o.dh is not None
-  if has_dh and not output_mask[0]:
+  compute_dx = _outputs.output_mask(output_mask)[0]
+  if has_dh and not compute_dx:
     raise ValueError("dh: added into dx, which output_mask leaves out")
-  if write_dx_dy and not output_mask[0]:
+  if write_dx_dy and not compute_dx:
     raise ValueError("write_dx_dy: a second dx, which output_mask leaves out")
   if dy.dtype != x.dtype and dy.dtype != F32 and x.dtype != F32:
     raise TypeError(f"dy: expected x's dtype ({x.dtype}) or float32, got {dy.dtype}")
@@ -141,15 +142,10 @@ def _bwd_abstract(*args, operands, centered, output_mask, param_groups, normaliz
   if write_dx_dy and not (x.dtype == F32 and dy.dtype != F32):
     raise TypeError(f"write_dx_dy: expected a float32 x and a 16-bit dy, got x {x.dtype} and "
                     f"dy {dy.dtype}")
-  outs = []
-  if output_mask[0]:
-    outs.append(shaped(x.shape, x.dtype))
-    if write_dx_dy:
-      outs.append(shaped(x.shape, dy.dtype))
-  outs += [shaped((param_groups, x.shape[1]), F32)] * sum(output_mask[1:])
-  if write_xhat:
-    outs.append(shaped(x.shape, x.dtype))
-  return outs
+  names = _outputs.norm_bwd_names(output_mask=output_mask, write_xhat=write_xhat,
+                                  write_dx_dy=write_dx_dy)
+  return [shaped(t.shape, t.dtype)
+          for t in _outputs.pack(_outputs.norm_bwd_types(o, param_groups=param_groups), names)]
 
 
 def _bwd_xla(*args, operands, centered, output_mask, param_groups, normalized, write_xhat,
@@ -160,32 +156,28 @@ def _bwd_xla(*args, operands, centered, output_mask, param_groups, normalized, w
                                   write_dx_dy=write_dx_dy)
 
 
+#: The results of the C++ backward, in its order (every one written; the absent ones empty).
+_FFI_BWD_ORDER = ("dx", "dweight", "dbias", "xhat", "dx_dy")
+
+
 def _bwd_ffi(*args, operands, centered, output_mask, param_groups, normalized, write_xhat,
              write_dx_dy=False):
   o = unpack(NormBwd, args, operands)
-  dy, x = o.dy, o.x
-  mask = tuple(output_mask) + (False,) * (3 - len(output_mask))
-  h = x.shape[1]
-  out_types = [jax.ShapeDtypeStruct(x.shape if mask[0] else (0,), x.dtype),
-               jax.ShapeDtypeStruct((param_groups, h) if mask[1] else (0,), F32),
-               jax.ShapeDtypeStruct((param_groups, h) if mask[2] else (0,), F32),
-               jax.ShapeDtypeStruct(x.shape if write_xhat else (0,), x.dtype),
-               jax.ShapeDtypeStruct(x.shape if write_dx_dy else (0,), dy.dtype)]
-  outs = _ffi.call("jax_normgrad_layer_norm_bwd", out_types, dy, x, o.mean, o.rstd, o.weight,
-                   o.dh, param_groups=param_groups, has_weight=o.weight is not None,
-                   compute_dx=mask[0], compute_dweight=mask[1], compute_dbias=mask[2],
-                   centered=centered, normalized=normalized, write_xhat=write_xhat,
-                   has_dh=o.dh is not None, write_dx_dy=write_dx_dy)
-  dx, dw, db, xhat, dx_dy = outs
-  ordered = (dx, dx_dy, dw, db, xhat)
-  return [o for o, m in zip(ordered, (mask[0], write_dx_dy) + mask[1:] + (write_xhat,)) if m]
+  mask = _outputs.output_mask(output_mask)
+  names = _outputs.norm_bwd_names(output_mask=mask, write_xhat=write_xhat,
+                                  write_dx_dy=write_dx_dy)
+  types = _outputs.norm_bwd_types(o, param_groups=param_groups)
+  outs = _ffi.call("jax_normgrad_layer_norm_bwd", _outputs.slots(types, names, _FFI_BWD_ORDER),
+                   o.dy, o.x, o.mean, o.rstd, o.weight, o.dh, param_groups=param_groups,
+                   has_weight=o.weight is not None, compute_dx=mask[0], compute_dweight=mask[1],
+                   compute_dbias=mask[2], centered=centered, normalized=normalized,
+                   write_xhat=write_xhat, has_dh=o.dh is not None, write_dx_dy=write_dx_dy)
+  return _outputs.pack(_outputs.unpack(NormBwdOut, outs, _FFI_BWD_ORDER), names)
 
 
-def _bwd_roles(*, operands, output_mask, write_xhat, write_dx_dy=False, **params):
-  del params
+def _bwd_roles(*, operands, **params):
   return ([_ROLES[name] for name in operands],
-          [_ROWS] * (output_mask[0] + write_dx_dy) + [_PARAM] * sum(output_mask[1:])
-          + [_ROWS] * write_xhat)
+          [_ROLES[name] for name in _outputs.norm_bwd_names(**params)])
 
 
 layer_norm_bwd_p = make_primitive(
