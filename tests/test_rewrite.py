@@ -22,10 +22,14 @@ from tolerances import ATOL32, RTOL, assert_close
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
+def kernels_in(text, kind="fwd"):
+  """The CPU kernels' custom calls of ``kind`` in a lowered program's text."""
+  return sum(text.count(f"custom_call @jax_normgrad_{op}_{kind}") for op in ("layer_norm", "group_norm"))
+
+
 def kernel_calls(fn, *args, kind="fwd"):
   """The CPU kernels' custom calls of ``kind`` in ``jit(fn)``'s lowered text."""
-  text = jax.jit(fn).lower(*args).as_text()
-  return sum(text.count(f"custom_call @jax_normgrad_{op}_{kind}") for op in ("layer_norm", "group_norm"))
+  return kernels_in(jax.jit(fn).lower(*args).as_text(), kind)
 
 
 def _reduced(form, x):
