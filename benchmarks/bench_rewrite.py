@@ -193,7 +193,8 @@ def main(argv=None):
                       help="only the frameworks' training loops, plain and rewritten")
   parser.add_argument("--steps", type=int, default=10, help="--frameworks' steps per loop")
   parser.add_argument("--out", default=None,
-                      help="default benchmarks/results/rewrite.json (rewrite_depth.json, rewrite_frameworks.json)")
+                      help="default benchmarks/results/rewrite.json (rewrite_depth.json, "
+                      "rewrite_frameworks.json)")
   args = parser.parse_args(argv)
   info = _bench.versions()
   info.update(cpu_model=cpu_model(), command=" ".join(sys.argv), loadavg_start=os.getloadavg())
