@@ -755,3 +755,15 @@ def test_bench_rewrite_quick(tmp_path):
   (row,) = json.loads(out.read_text())["rows"]
   assert row["rewrite_custom_calls"] > 0 and row["flax_custom_calls"] == 0
   assert row["trace_rewrite_s"] > 0 and row["compile_s"] > 0
+
+
+def test_bench_rewrite_depth_sweep(tmp_path):
+  """benchmarks/bench_rewrite.py --depth-sweep: the norms counted at each depth, both traces timed."""
+  pytest.importorskip("flax")
+  import bench_rewrite  # noqa: E402  (the benchmarks' sibling script)
+  out = tmp_path / "depth.json"
+  assert bench_rewrite.main(["--depth-sweep", "2,4", "--repeats", "1", "--out", str(out)]) == 0
+  import json
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["blocks"], r["norms"]) for r in rows] == [(1, 3), (2, 5)]
+  assert all(r["trace_plain_s"] > 0 and r["trace_rewrite_s"] > 0 for r in rows)

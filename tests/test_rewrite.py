@@ -22,10 +22,14 @@ from tolerances import ATOL32, RTOL, assert_close
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
+def kernels_in(text, kind="fwd"):
+  """The CPU kernels' custom calls of ``kind`` in a lowered program's text."""
+  return sum(text.count(f"custom_call @jax_normgrad_{op}_{kind}") for op in ("layer_norm", "group_norm"))
+
+
 def kernel_calls(fn, *args, kind="fwd"):
   """The CPU kernels' custom calls of ``kind`` in ``jit(fn)``'s lowered text."""
-  text = jax.jit(fn).lower(*args).as_text()
-  return sum(text.count(f"custom_call @jax_normgrad_{op}_{kind}") for op in ("layer_norm", "group_norm"))
+  return kernels_in(jax.jit(fn).lower(*args).as_text(), kind)
 
 
 def _reduced(form, x):
@@ -245,3 +249,37 @@ def test_a_cyclic_plan_is_announced_and_runs_as_written(monkeypatch):
   assert_close(y, rc.two_norms(x, w, b), F32, x.shape[-1], "y")
   with pytest.warns(RuntimeWarning):
     assert kernel_calls(new, x, w, b) == 0
+
+
+def test_matching_reads_each_norms_region_only():
+  """A candidate's interpretation reads the equations computed from its root up to its norm's
+  end, not the rest of the graph: the matching's cost is linear in the norms (a deep model's
+  norms times its equations, before)."""
+  from jax_normgrad._rewrite import _identify
+  from jax_normgrad._rewrite._graph import Graph
+
+  class Counted(list):
+    reads = 0
+
+    def __getitem__(self, i):
+      Counted.reads += 1
+      return super().__getitem__(i)
+
+  def reads(depth):
+    x, w, b, _ = rc.inputs(False, F32)
+
+    def f(x, w, b):
+      for _ in range(depth):
+        x = x + jnp.tanh(rc.ln_two_pass(x, w, b))
+      return x
+
+    closed = jax.make_jaxpr(f)(x, w, b)
+    g = Graph(closed.jaxpr, closed.consts)
+    g.eqns = Counted(g.eqns)
+    Counted.reads = 0
+    matches, _ = _identify.find(g)
+    assert len(matches) == depth
+    return Counted.reads / len(g.eqns)
+
+  # Reads per equation stay flat as the model deepens (were about depth / 2).
+  assert reads(48) < 1.5 * reads(12) and reads(48) < 8

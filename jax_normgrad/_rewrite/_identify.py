@@ -9,6 +9,7 @@ rewritten, and why).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -167,14 +168,16 @@ def _activation(g: Graph, y):
       if math.prod(y.aval.shape) > MAX_ACT_ELEMENTS:
         continue
       test = np.resize(_ACT_TEST, y.aval.shape).astype(y.aval.dtype)
-    got = _eval_elementwise(g, eqns, y, out, test)
+    key = _form_key(g, eqns, y, out) if test is _ACT_TEST else None
+    got = _FORMS.get(key) if key is not None else None
     if got is None:
+      got = _eval_elementwise(g, eqns, y, out, test)
+      if key is not None and len(_FORMS) < _MAX_FORMS:
+        _FORMS[key] = got if got is not None else _FAILED
+    if got is None or got is _FAILED:
       continue
     for act in _activations.ACTIVATIONS:
-      with jax.ensure_compile_time_eval():
-        z = jnp.asarray(test, jnp.float32)
-        want = np.asarray(_activations.apply(z, act), np.float64)
-        slope = np.asarray(_activations.grad(z, act), np.float64)
+      want, slope = _op_activation(act) if test is _ACT_TEST else _op_activation_at(test, act)
       if not np.allclose(got[0], want, rtol=1e-4, atol=1e-5):
         continue
       bad = ~np.isclose(got[1], slope, rtol=1e-4, atol=1e-5)
@@ -185,6 +188,56 @@ def _activation(g: Graph, y):
         continue
       best, note = (act, out), None
   return best, (note if best is None else None)
+
+
+#: The code's activations already evaluated at ``_ACT_TEST``: form (:func:`_form_key`) ->
+#: ``(value, derivative)``, or ``_FAILED``. A model repeats one form after each of its norms.
+_FORMS: dict = {}
+_FAILED = object()
+_MAX_FORMS = 1024
+
+
+def _form_key(g: Graph, eqns, y, out):
+  """What the value of ``_eval_elementwise(g, eqns, y, out, _ACT_TEST)`` depends on, hashable.
+
+  Each equation's primitive and parameters (none holds a jaxpr: a custom_jvp
+  function is evaluated at y's shape and never cached) and its operands: y,
+  an earlier equation's result, or a number with its dtype. None where a
+  parameter is not hashable.
+  """
+  index = {y: -1}
+  for k, e in enumerate(eqns):
+    index[e.outvars[0]] = k
+  key = [str(jnp.dtype(y.aval.dtype))]
+  for e in eqns:
+    ins = []
+    for a in e.invars:
+      r = g.resolve(a)
+      if not is_literal(r) and r in index:
+        ins.append(("v", index[r]))
+      else:
+        ins.append(("c", g.scalar(a), str(getattr(a.aval, "dtype", ""))))
+    try:
+      params = tuple(sorted(e.params.items()))
+      hash(params)
+    except TypeError:
+      return None
+    key.append((e.primitive.name, params, tuple(ins)))
+  key.append(index[out])
+  return tuple(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _op_activation(act):
+  """The op's activation and its derivative at ``_ACT_TEST`` (float64 NumPy)."""
+  return _op_activation_at(_ACT_TEST, act)
+
+
+def _op_activation_at(test, act):
+  with jax.ensure_compile_time_eval():
+    z = jnp.asarray(test, jnp.float32)
+    return (np.asarray(_activations.apply(z, act), np.float64),
+            np.asarray(_activations.grad(z, act), np.float64))
 
 
 def _act_eqn(g: Graph, e, avail) -> bool:
@@ -257,6 +310,7 @@ def find(g: Graph):
   """All matches and near misses of the graph's candidates."""
   matches: list[Match] = []
   misses: list[NearMiss] = []
+  claimed: set = set()  # the outputs of the matches so far
   for views in candidates(g):
     miss = None
     for cand in views:
@@ -267,8 +321,9 @@ def find(g: Graph):
       if miss is None and tried is not None and reason:
         miss = NearMiss(tuple(tried.aval.shape), tried.aval.dtype, reason, source_of(g, tried))
     for m in found:
-      if not any(set(m.outputs) & set(o.outputs) for o in matches):
+      if claimed.isdisjoint(m.outputs):
         matches.append(m)
+        claimed.update(m.outputs)
     if not found:
       # A traced eps, or statistics through a custom rule, is the first reason to give: the
       # values tried after it (x - mean, say) only fail for want of it.

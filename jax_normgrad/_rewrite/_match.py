@@ -17,6 +17,7 @@ axis it is later aligned with.
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any, NamedTuple
 
@@ -472,13 +473,43 @@ SHAPE = ("broadcast_in_dim", "reshape", "squeeze", "transpose")
 
 
 def interpret(cand: Candidate, start: int):
-  """Runs the candidate's abstract interpretation over the equations from index ``start``."""
+  """Runs the candidate's abstract interpretation over the equations from index ``start``.
+
+  Only the equations that read a value computed from x are visited, in their
+  order, and only while one of them reads an interpreted value (``cand.abs``):
+  past the last such equation nothing can change the interpretation, so its
+  cost is that of the norm's region, not of the rest of the graph.
+  """
   g = cand.g
-  for i in range(start, len(g.eqns)):
+  pending: dict = {}  # equation index -> whether it reads an interpreted value
+  heap: list = []
+  live_pending = 0
+
+  def push_readers(v, live):
+    nonlocal live_pending
+    for j in g.consumers.get(v, ()):
+      if j < start:
+        continue
+      if j not in pending:
+        pending[j] = live
+        heapq.heappush(heap, j)
+        live_pending += live
+      elif live and not pending[j]:
+        pending[j] = True
+        live_pending += 1
+
+  for v in cand.tainted:
+    push_readers(v, v in cand.abs)
+  while heap and live_pending:
+    i = heapq.heappop(heap)
+    live_pending -= pending.pop(i)
     e = g.eqns[i]
     ins = [g.resolve(a) for a in e.invars]
     if any(not is_literal(a) and a in cand.tainted for a in ins):
-      cand.tainted.update(e.outvars)
+      for o in e.outvars:
+        if o not in cand.tainted:
+          cand.tainted.add(o)
+          push_readers(o, False)
     live = [a for a in ins if not is_literal(a) and a in cand.abs]
     if not live or len(e.outvars) != 1:
       if live:
@@ -514,6 +545,7 @@ def interpret(cand: Candidate, start: int):
         cand.failures.setdefault(a, str(why))
       continue
     cand.abs[out] = Abs(poly, dims, out.aval.dtype)
+    push_readers(out, True)
 
 
 # ----------------------------------------------------------------------------

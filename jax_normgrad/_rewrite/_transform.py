@@ -290,10 +290,11 @@ def _combination(m, terms, read, g, is_weight):
     return None
   total = None
   for mono, c in terms.items():
-    t = jnp.full(m.param_shape, c, jnp.float32)
+    t = None if c == 1.0 and mono else jnp.full(m.param_shape, c, jnp.float32)  # 1 * f is f
     for f, p in mono:
       fv = _factor_value(m, f, read, g)
-      t = t * (fv if p == 1 else fv ** p)
+      fv = fv if p == 1 else fv ** p
+      t = fv if t is None else t * fv
     total = t if total is None else total + t
   return total
 
