@@ -2,8 +2,8 @@
 
 A reader browsing the repository sees the outputs (the plots included) as the
 notebooks were last executed; the suite executes a copy of each again with nbclient.
-To refresh the committed outputs, execute a notebook in place (nbclient's ``jupyter execute
---inplace notebooks/NAME.ipynb``) and commit it.
+To refresh the committed outputs, execute each notebook in place (nbclient's ``jupyter execute
+--inplace notebooks/precision.ipynb``, and so on) and commit it.
 """
 
 from __future__ import annotations
