@@ -94,6 +94,9 @@ MOSAIC_GPU_CASES = {  # name: (function of (x, w, b), x's shape and dtype, the k
         ("rows in 4 pieces", "rows in 6 pieces")),
     "rms_norm": (_grad_of(lambda x, w, b: jn.rms_norm(x, w, implementation=_MG)), (256, 4096),
                  jnp.bfloat16, ("whole rows", "whole rows")),
+    "add_layer_norm": (
+        _grad_of(lambda x, w, b: jn.add_layer_norm(x, x * 2, w, b, implementation=_MG)[0]),
+        (256, 768), jnp.bfloat16, ("whole rows", "whole rows")),
     "group_norm NCHW segments whole, backward in two passes": (
         _grad_of(lambda x, w, b: jn.group_norm(x, 32, w, b, implementation=_MG)),
         (8, 320, 32, 32), F32,
