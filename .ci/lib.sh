@@ -19,11 +19,12 @@ PY
 # imports and calls:
 #   * jax_normgrad/_compat.py's users: the dispatcher (test_dispatch), the GPU target
 #     and its abstract devices (test_gpu_target), the partitioning rules and shard_map
-#     (test_sharding), the Pallas lowerings and interpreters (test_pallas,
-#     test_tpu_interpret, test_triton_deprecation; test_add_norm, whose Pallas and Mosaic
-#     GPU classes and exports are the residual form's), the rewrite's jaxpr reading
-#     (test_rewrite, test_rewrite_frameworks, test_rewrite_semantics, test_rewrite_fuzz) and
-#     the table of jax internals it reads, probed (test_compat);
+#     (test_sharding), the Pallas lowerings and interpreters (test_pallas, test_mosaic_gpu,
+#     test_explain_kernels, test_tpu_interpret, test_triton_deprecation; test_add_norm,
+#     whose Pallas and Mosaic GPU classes and exports are the residual form's), the
+#     rewrite's jaxpr reading (test_rewrite, test_rewrite_frameworks,
+#     test_rewrite_semantics, test_rewrite_fuzz) and the table of jax internals it reads,
+#     probed (test_compat);
 #   * jax.export (test_forward, and the modules above);
 #   * custom_vjp and the primitives' JVPs under jax's transformations, to any order
 #     (test_higher_order), the settings read at trace and lowering time (test_settings);
@@ -46,7 +47,8 @@ PY
 version_stage_tests() {
   printf '%s\n' \
     tests/test_dispatch.py tests/test_gpu_target.py tests/test_sharding.py \
-    tests/test_pallas.py tests/test_tpu_interpret.py tests/test_triton_deprecation.py \
+    tests/test_pallas.py tests/test_mosaic_gpu.py tests/test_explain_kernels.py \
+    tests/test_tpu_interpret.py tests/test_triton_deprecation.py \
     tests/test_add_norm.py tests/test_rewrite.py tests/test_rewrite_frameworks.py \
     tests/test_rewrite_semantics.py tests/test_rewrite_fuzz.py tests/test_compat.py \
     tests/test_forward.py tests/test_higher_order.py \

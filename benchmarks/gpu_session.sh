@@ -64,7 +64,7 @@
 #                  180 s (call-1: 200; on an H200 the list passed in 147 s, and at 5636ad6 its
 #                  TPU-interpreted tests, which skip there now, held it past 180 s)
 #   mosaic-tests   the op suites' Default classes with JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu, and
-#                  test_pallas.py's Mosaic GPU tests (on a GPU the real kernels: the in-place
+#                  test_mosaic_gpu.py's tests (on a GPU the real kernels: the in-place
 #                  forward's refill order, GroupNorm's whole segments, the deeper stages); 100 s
 #                  (call-1: 80)
 #   wheels         pip install --target /tmp/site .whl/*.whl (benchmarks/gpu_wheels.sh: Liger,
@@ -258,7 +258,7 @@ for stage in $stages; do
         --out "$OUT/trace" $(quick --smoke --calls 2) ;;
     tests)
       pytest_run pytest.log "$(cap $lim_tests 20)" -- --junitxml="$OUT/junit.xml" $OP_SUITES \
-        tests/test_layers.py tests/test_nonfinite.py tests/test_pallas.py \
+        tests/test_layers.py tests/test_nonfinite.py tests/test_pallas.py tests/test_mosaic_gpu.py \
         tests/test_dropin_flax.py tests/test_dropin_equinox.py tests/test_validation.py \
         tests/test_validation_family.py tests/test_properties.py tests/test_streaming.py \
         tests/test_kernels.py tests/test_patch.py tests/test_cli.py tests/test_sharding.py \
@@ -266,7 +266,8 @@ for stage in $stages; do
     mosaic-tests)
       pytest_run pytest_mosaic.log "$(cap $lim_mosaic_tests 20)" \
         JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu PYTHONPATH="$(srcpath)" -- -k "Default or mosaic" \
-        -vv --tb=short --junitxml="$OUT/junit_mosaic.xml" tests/test_pallas.py $OP_SUITES ;;
+        -vv --tb=short --junitxml="$OUT/junit_mosaic.xml" tests/test_pallas.py tests/test_mosaic_gpu.py \
+        $OP_SUITES ;;
     wheels)
       if [ "$mode" = dry ]; then
         run 10 wheels.log pip install --target "$site_dir" .whl/*.whl; site=$site_dir

@@ -54,8 +54,8 @@ class Explained:
   where: str
   choice: Choice
   #: The chosen implementation's kernels and plan (``Implementation.describe``: a
-  #: ``kernels.KernelPlan`` for the Triton and TPU kernels, the build for the C++ ones; None
-  #: where it does not tell them: the reference, the Mosaic GPU kernels).
+  #: ``kernels.KernelPlan`` for the Pallas kernels, the build for the C++ ones; None for the
+  #: reference, and where no kernel runs).
   plan: kernels.KernelPlan | str | None = None
 
   def __str__(self) -> str:

@@ -134,7 +134,7 @@ def narrow(request, reason: str, tests=(), **allowed):
   """Skips the test of ``request`` if it is in ``tests`` or a parameter is not in ``allowed``.
 
   For the suites whose cases are ``pytest.mark.parametrize``'d (not a
-  ``cases`` dict), to keep a slow interpreted implementation's run short.
+  ``argument_values`` dict of the class), to keep a slow interpreted implementation's run short.
   """
   params = getattr(request.node, "callspec", None)
   params = params.params if params else {}

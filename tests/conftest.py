@@ -162,14 +162,14 @@ def cpu_device():
 
 
 def pytest_generate_tests(metafunc):
-  """Parametrizes test arguments from the ``cases`` dict of the test's class.
+  """Parametrizes test arguments from the ``argument_values`` dict of the test's class.
 
   A key names one argument or several (``"shape,norm_shape"``); the first
   key that covers an argument wins. A subclass narrows a suite by
   overriding entries, e.g. to keep an interpreted implementation's run short.
   """
   done = set()
-  for names, values in (getattr(metafunc.cls, "cases", None) or {}).items():
+  for names, values in (getattr(metafunc.cls, "argument_values", None) or {}).items():
     args = set(names.split(","))
     if args <= set(metafunc.fixturenames) and not args & done:
       metafunc.parametrize(names, values)

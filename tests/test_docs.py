@@ -23,6 +23,7 @@ BENCHMARKS-history.md is history: the files its runs used may be gone.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import importlib
 import io
@@ -327,3 +328,111 @@ def test_what_exists_passes(monkeypatch):
   doc = ROOT / "docs" / "api.md"
   monkeypatch.setattr(sys.modules[__name__], "_docs", lambda: ((doc, text, True),))
   assert _problems()[0] == []
+
+
+# ----------------------------------------------------------------------------
+# The docs' tables of code facts, compared with the code.
+
+
+def _table(path: pathlib.Path, header: str) -> list[list[str]]:
+  """The rows (cells, stripped) of the Markdown table of ``path`` whose header row starts with
+  ``header``."""
+  lines = path.read_text().splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith(header))
+  rows = []
+  for line in lines[start + 2:]:
+    if not line.startswith("|"):
+      break
+    rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+  return rows
+
+
+def _quoted(cell: str) -> list[str]:
+  """The implementation names a cell lists, in order (backticked, with or without quotes)."""
+  return re.findall(r'`"?(\w+)"?`', cell)
+
+
+def test_dispatch_tables_are_the_dispatchers():
+  """docs/dispatch.md's implementations are ``_dispatch.IMPLEMENTATIONS``, and its preference
+  table is ``_dispatch.preferences`` for every platform and GPU backend setting."""
+  from jax_normgrad import _dispatch, _platforms, _settings  # pylint: disable=g-import-not-at-top
+  doc = ROOT / "docs" / "dispatch.md"
+  assert [_quoted(r[0])[0] for r in _table(doc, "| `implementation=`")] == list(
+      _dispatch.IMPLEMENTATIONS)
+  told = {}
+  for label, none, pallas in _table(doc, "| platform | `None` tries"):
+    platform = label.split(",")[0]
+    backend = "mosaic_gpu" if "JAX_NORMGRAD_GPU_BACKEND=mosaic_gpu" in label else None
+    none = _quoted(none)
+    told[platform, backend] = (none, none if pallas == "the same" else _quoted(pallas))
+  expected = {}
+  for platform in _platforms.PLATFORMS:
+    for backend in (None,) + _settings.CHOICES[_settings.GPU_BACKEND_ENV]:
+      settings = _settings.Settings(gpu_backend=backend)
+      prefs = tuple(list(_dispatch.preferences(platform, i, settings)) for i in (None, "pallas"))
+      if backend is None or prefs != expected[platform, None]:
+        expected[platform, backend] = prefs
+  assert told == expected
+
+
+def test_the_platform_and_activation_tables_are_the_code():
+  """docs/api.md's platform table names each platform's default implementation first, and every
+  implementation of its preference list; docs/spec.md's activations are
+  ``_activations.ACTIVATIONS``."""
+  from jax_normgrad import _activations, _dispatch, _settings  # pylint: disable=g-import-not-at-top
+  doc = ROOT / "docs" / "api.md"
+  platforms = {"CPU": "cpu", "NVIDIA GPU": "cuda", "AMD GPU": "rocm", "TPU": "tpu"}
+  rows = _table(doc, "| platform | `implementation=None` runs")
+  assert [r[0] for r in rows] == list(platforms)
+  for label, runs, also in rows:
+    preferences = _dispatch.preferences(platforms[label], None, _settings.Settings())
+    assert _quoted(runs)[0] == preferences[0], label
+    named = {n for n in _quoted(runs) + _quoted(also) if n in _dispatch.IMPLEMENTATIONS}
+    assert set(preferences) <= named, label
+  assert tuple(_quoted(r[0])[0] for r in _table(ROOT / "docs" / "spec.md", "| activation |")) == (
+      _activations.ACTIVATIONS)
+
+
+def test_the_config_fields_the_docs_set_exist():
+  """Every configuration field docs/api.md sets (``config.override(field=...)``, a backend
+  configuration's keyword) is a field of a backend's configuration."""
+  from jax_normgrad.pallas import backend_config  # pylint: disable=g-import-not-at-top
+  fields = {f.name for c in (backend_config.TritonConfig, backend_config.MosaicGpuConfig,
+                             backend_config.MosaicTpuConfig) for f in dataclasses.fields(c)}
+  text = (ROOT / "docs" / "api.md").read_text()
+  calls = re.findall(r"(?:override|Config)\(([^()]*)", text)
+  named = {k for call in calls for k in re.findall(r"(\w+)=", call)}
+  named |= {n for n in re.findall(r"`(\w+)`", text) if re.match(r"(gpu|tpu|mosaic_gpu)_", n)
+            and not n.endswith(("_plan", "_pieces", "_ctas"))}
+  assert named and named <= fields, named - fields
+
+
+#: The op suites: modules with one base class per op, subclassed per implementation.
+OP_SUITES = ("test_layer_norm.py", "test_rms_norm.py", "test_group_norm.py", "test_add_norm.py",
+             "test_layer_norm_grad.py", "test_layer_norm_options.py", "test_higher_order.py")
+
+
+def _where_tested() -> list[list[str]]:
+  return _table(ROOT / "docs" / "development.md", "| op | C++ FFI")
+
+
+def test_where_each_op_is_tested_names_what_exists():
+  """docs/development.md's op x backend table names only test modules, classes and tests that
+  exist, and names every op suite's class of an implementation."""
+  rows = _where_tested()
+  assert len(rows) >= 6 and all(len(r) == 6 for r in rows)
+  named = set()
+  for row in rows:
+    assert row[1] and row[5], row[0]  # the C++ kernels and the reference test every op
+    for cell in row[1:]:
+      for module, name in re.findall(r"`(test_\w+\.py)(?:::(\w+))?`", cell):
+        path = ROOT / "tests" / module
+        assert path.exists(), module
+        if name:
+          assert name in _defined_names(path)[""], f"{module}::{name}"
+          named.add(f"{module}::{name}")
+  for module in OP_SUITES:
+    tree = ast.parse((ROOT / "tests" / module).read_text())
+    suites = {c.name for c in tree.body if isinstance(c, ast.ClassDef) and c.name.startswith("Test")
+              and c.bases}
+    assert suites and {f"{module}::{s}" for s in suites} <= named, module

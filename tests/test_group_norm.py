@@ -26,10 +26,10 @@ def _inputs(rng, shape, c, dtype, param_dtype=None, with_params=True):
 
 
 class GroupNormOpTests:
-  """The GroupNorm op suite; subclasses set ``implementation`` and may narrow ``cases``."""
+  """The GroupNorm op suite; subclasses set ``implementation`` and may narrow ``argument_values``."""
 
   implementation = None
-  cases = {
+  argument_values = {
       "dtype": DTYPES,
       "shape,n,c,hw,group,channels_last": GN_CASES,
       "with_gamma": [True, False],
@@ -227,12 +227,12 @@ class TestGroupNormPallas(GroupNormOpTests):
   dtype beside float32 parameters."""
 
   implementation = "pallas"
-  cases = {
+  argument_values = {
       "dtype,with_gamma,shape,n,c,hw,group,channels_last": rotate(GN_CASES, DTYPES,
                                                                     [True, False]),
       "dtype,shape,n,c,hw,group,channels_last": rotate(GN_CASES, DTYPES),
       "channels_last,mask": KERNEL_MASK_RUNS,
-      **GroupNormOpTests.cases,
+      **GroupNormOpTests.argument_values,
       "half_dtype": [jnp.bfloat16],  # 16-bit x beside float32 parameters: the kernels convert
   }
 
@@ -261,8 +261,8 @@ class TestGroupNormMosaicGpu(GroupNormOpTests):
   """
 
   implementation = "mosaic_gpu"
-  cases = {
-      **TestGroupNormPallas.cases,
+  argument_values = {
+      **TestGroupNormPallas.argument_values,
       "dtype,with_gamma,shape,n,c,hw,group,channels_last": rotate(MOSAIC_GPU_CASES, DTYPES,
                                                                     [True, False]),
       "dtype,shape,n,c,hw,group,channels_last": rotate(MOSAIC_GPU_CASES, DTYPES),

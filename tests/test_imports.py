@@ -145,7 +145,8 @@ def test_pallas_layers():
 def test_mosaic_gpu_layers():
   """``mosaic_gpu`` (its docstring): the entry module routes to the rows, pieces and GroupNorm
   modules, the pieces stand on the other two, GroupNorm on the rows (its whole segments), and
-  all three on the shared TMA / SMEM plumbing, which stands on none of them."""
+  all three on the shared TMA / SMEM plumbing, which stands on none of them; the description
+  of what they launch stands on them all."""
   graph = import_graph()
   p = "jax_normgrad.pallas.mosaic_gpu"
   pipeline, rows, pieces, gn = p + "_pipeline", p + "_rows", p + "_pieces", p + "_group_norm"
@@ -157,6 +158,11 @@ def test_mosaic_gpu_layers():
     assert pipeline in graph[k] and p not in graph[k], k
   assert not graph[pipeline] & (kernels | {p, "jax_normgrad.pallas.kernels"})
   assert "jax_normgrad.pallas.common" in graph[pipeline]
+  # What they launch, for explain: above them all, imported by the entry to the kernels only.
+  describe = p + "_describe"
+  assert {p, pieces, gn, pipeline} <= graph[describe]
+  assert describe in graph["jax_normgrad.pallas.kernels"]
+  assert not any(describe in graph[k] for k in kernels | {p, pipeline})
 
 
 def test_the_check_sees_deferred_and_relative_imports(tmp_path, monkeypatch):

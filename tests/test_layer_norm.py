@@ -41,10 +41,10 @@ def _check_forward_rows(x, w, b):
   assert_close(rs, rs_ref, jnp.float32, h, "rms rstd")
 
 class LayerNormOpTests:
-  """The LayerNorm op suite; subclasses set ``implementation`` and may narrow ``cases``."""
+  """The LayerNorm op suite; subclasses set ``implementation`` and may narrow ``argument_values``."""
 
   implementation = None
-  cases = {
+  argument_values = {
       "dtype": DTYPES,
       "shape,norm_shape": LN_CASES,
       "with_weight": [True, False],
@@ -345,10 +345,10 @@ class TestLayerNormPallas(LayerNormOpTests):
   """
 
   implementation = "pallas"
-  cases = {
+  argument_values = {
       "dtype,with_weight,shape,norm_shape": rotate(LN_CASES, DTYPES, [True, False]),
       "dtype,shape,norm_shape": rotate(LN_CASES, DTYPES),
-      **LayerNormOpTests.cases,
+      **LayerNormOpTests.argument_values,
       "mask": KERNEL_MASKS,
       "half_dtype": [jnp.bfloat16],
   }
@@ -372,8 +372,8 @@ class TestLayerNormMosaicGpu(LayerNormOpTests):
   """
 
   implementation = "mosaic_gpu"
-  cases = {
-      **TestLayerNormPallas.cases,
+  argument_values = {
+      **TestLayerNormPallas.argument_values,
       "dtype,with_weight,shape,norm_shape": rotate(MOSAIC_GPU_CASES, DTYPES, [True, False]),
       "dtype,shape,norm_shape": rotate(MOSAIC_GPU_CASES, DTYPES),
       "half_dtype": [jnp.bfloat16],

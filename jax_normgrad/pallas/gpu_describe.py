@@ -1,7 +1,8 @@
 """What the Triton kernels launch for a problem, for ``explain`` (``kernels.describe``).
 
 Decided by the functions ``gpu.forward`` and ``gpu.backward`` decide with, from the problem's
-shapes and dtypes alone; ``tests/test_pallas.py`` checks the answer against lowered modules.
+shapes and dtypes alone; ``tests/test_explain_kernels.py`` checks the answer against lowered
+modules.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ def group_norm_fwd_problem(*args, operands, group, channels_last, param_groups, 
                            activation, **unused) -> kernels.Problem:
   """The kernels' problem of ``group_norm_fwd`` with these operands (shapes and dtypes)."""
   del unused
-  x = unpack(GroupNormFwd, args, operands).x
-  return kernels.forward_problem(_groups(x, group, channels_last, param_groups, activation),
-                                 x.dtype, size=x.size, y_dtype=y_dtype)
+  o = unpack(GroupNormFwd, args, operands)
+  return kernels.forward_problem(_groups(o.x, group, channels_last, param_groups, activation),
+                                 o.x.dtype, size=o.x.size, y_dtype=y_dtype,
+                                 params=(o.weight is not None, o.bias is not None))
 
 
 def group_norm_bwd_problem(*args, operands, group, channels_last, activation, output_mask,
@@ -30,7 +31,9 @@ def group_norm_bwd_problem(*args, operands, group, channels_last, activation, ou
   o = unpack(GroupNormBwd, args, operands)
   return kernels.backward_problem(_groups(o.x, group, channels_last, param_groups, activation),
                                   o.x.dtype, _outputs.output_mask(output_mask), size=o.x.size,
-                                  dy_dtype=o.dy.dtype)
+                                  dy_dtype=o.dy.dtype,
+                                  params=(o.weight is not None,
+                                          activation is not None and o.bias is not None))
 
 
 def group_norm_fwd(*args, operands, eps, group, channels_last, param_groups, y_dtype, activation,

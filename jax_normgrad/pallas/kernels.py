@@ -29,13 +29,16 @@ BACKENDS = ("triton", "mosaic_gpu", "mosaic_tpu")
 
 
 def describe(problem: Problem, backend: str, *, interpret: bool) -> KernelPlan | None:
-  """The :class:`KernelPlan` of ``problem`` on ``backend`` (None where the backend's kernels do
-  not describe their plans yet, and for an empty problem, which runs no kernel)."""
-  if problem.empty or backend == "mosaic_gpu":
+  """The :class:`KernelPlan` of ``problem`` on ``backend`` (None for an empty problem, which
+  runs no kernel)."""
+  if problem.empty:
     return None
   _, tpu = _backends()
   if backend == "mosaic_tpu":
     return tpu.describe(problem, interpret=interpret)
+  if backend == "mosaic_gpu":
+    from jax_normgrad.pallas import mosaic_gpu_describe  # pylint: disable=g-import-not-at-top
+    return mosaic_gpu_describe.describe(problem, interpret=interpret)
   from jax_normgrad.pallas import gpu_describe  # pylint: disable=g-import-not-at-top
   return gpu_describe.describe(problem, interpret=interpret)
 

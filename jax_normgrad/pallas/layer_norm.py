@@ -32,7 +32,8 @@ def layer_norm_fwd_problem(*args, operands, centered, param_groups, y_dtype, h_d
   o = unpack(NormFwd, args, operands)
   return kernels.forward_problem(_rows(o.x, centered, param_groups), o.x.dtype, size=o.x.size,
                                  y_dtype=y_dtype, h_dtype=h_dtype,
-                                 residual_dtype=None if o.residual is None else o.residual.dtype)
+                                 residual_dtype=None if o.residual is None else o.residual.dtype,
+                                 params=(o.weight is not None, o.bias is not None))
 
 
 def layer_norm_bwd_problem(*args, operands, centered, output_mask, param_groups, normalized,
@@ -46,7 +47,8 @@ def layer_norm_bwd_problem(*args, operands, centered, output_mask, param_groups,
   dy_dtype = x_dtype if x_dtype != o.x.dtype else o.dy.dtype  # widened together
   return kernels.backward_problem(_rows(o.x, centered, param_groups), x_dtype, mask,
                                   size=o.x.size, dh_dtype=dh_dtype, dy_dtype=dy_dtype,
-                                  dx_dy=write_dx_dy and not normalized)
+                                  dx_dy=write_dx_dy and not normalized,
+                                  params=(o.weight is not None, False))
 
 
 def _xhat(x, mean, rstd):

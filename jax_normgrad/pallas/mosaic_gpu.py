@@ -74,6 +74,9 @@ timings: BENCHMARKS.md#gpu-mosaic-gpu-against-triton).
 
 The modules, each importing only those below it:
 
+* ``mosaic_gpu_describe`` (for ``explain``): what the kernels launch for a
+  problem, decided by the plan functions the entry points decide with
+  (``forward_plan``, ``backward_plan`` here, ``mosaic_gpu_pieces.forward_plans``, ...);
 * ``mosaic_gpu`` (this one): what the kernels can run (``unsupported``) and
   ``forward`` / ``backward``, which route a problem to
 * ``mosaic_gpu_pieces`` (longer rows; it uses the other two),
@@ -119,6 +122,27 @@ def unsupported(seg: common.Segments, itemsize: int, *, backward: bool,
   return None
 
 
+def forward_plan(seg: common.Segments, itemsize: int, *, params: int,
+                 extra_bytes: int = 0) -> config.MosaicGpuPlan | None:
+  """The plan of the row forward holding rows whole (y over x where that gives more stages);
+  None: the rows are cut in pieces (``mosaic_gpu_pieces.forward_plans``).
+
+  ``params``: how many of the weight and bias are given; ``extra_bytes``: the residual form's
+  rows (``mosaic_gpu_rows.residual_bytes``).
+  """
+  return config.mosaic_gpu_plan(seg.minor, itemsize, backward=False, params=params,
+                                extra_bytes=extra_bytes, in_place=True)
+
+
+def backward_plan(seg: common.Segments, itemsize: int, *, has_gamma: bool, mask,
+                  extra_bytes: int = 0) -> config.MosaicGpuPlan | None:
+  """The plan of the row backward holding rows whole; None: the rows are cut in pieces
+  (``mosaic_gpu_pieces.backward_plans``). ``extra_bytes``: dh's bytes per element."""
+  return config.mosaic_gpu_plan(seg.minor, itemsize, backward=True, params=int(has_gamma),
+                                outputs=int(mask[0]), partials=mask[1] + mask[2],
+                                extra_bytes=extra_bytes)
+
+
 def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=None,
             y_dtype=None):
   """``(y, mean | None, rstd)`` of LayerNorm / RMSNorm rows or GroupNorm; see ``kernels.forward``.
@@ -138,10 +162,8 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=N
   if seg.kind != "rows":
     assert not has_residual, "the residual form is rows only"
     return mosaic_gpu_group_norm.forward(x, weight, bias, seg=seg, eps=eps, interpret=interpret)
-  n_params = (weight is not None) + (bias is not None)
-  plan = config.mosaic_gpu_plan(seg.minor, x.dtype.itemsize, backward=False, params=n_params,
-                                extra_bytes=mosaic_gpu_rows.residual_bytes(residual, h_dtype),
-                                in_place=True)
+  plan = forward_plan(seg, x.dtype.itemsize, params=(weight is not None) + (bias is not None),
+                      extra_bytes=mosaic_gpu_rows.residual_bytes(residual, h_dtype))
   if plan is None:
     return mosaic_gpu_pieces.forward(x, residual, weight, bias, seg=seg, eps=eps,
                                      interpret=interpret, h_dtype=h_dtype)
@@ -163,11 +185,8 @@ def backward(dy, x, mean, rstd, gamma, beta=None, dh=None, *, seg: common.Segmen
                                           interpret=interpret)
   if dh is not None and not mask[0]:
     raise ValueError("dh needs dx (mask[0])")
-  has_gamma = gamma is not None
-  n_acc = mask[1] + mask[2]
-  dh_bytes = 0 if dh is None else dh.dtype.itemsize
-  plan = config.mosaic_gpu_plan(seg.minor, x.dtype.itemsize, backward=True, params=int(has_gamma),
-                                outputs=int(mask[0]), partials=n_acc, extra_bytes=dh_bytes)
+  plan = backward_plan(seg, x.dtype.itemsize, has_gamma=gamma is not None, mask=mask,
+                       extra_bytes=0 if dh is None else dh.dtype.itemsize)
   if plan is None:
     return mosaic_gpu_pieces.backward(dy, x, mean, rstd, gamma, dh, seg=seg, mask=mask,
                                       interpret=interpret)

@@ -23,7 +23,7 @@ as in the row kernels (``mosaic_gpu_rows``):
 
 x (and dy) are read twice there. An NCHW segment of cg * HW elements often
 fits SMEM (320 channels in 32 groups at 32x32: 40 KiB in float32); where it
-does and HW is a multiple of 128 (``_whole_segments``), each segment is
+does and HW is a multiple of 128 (``whole_segments``), each segment is
 instead one row of the row kernels (``mosaic_gpu_rows``, with
 ``ChannelChunks``: per-channel parameters, statistics and parameter
 gradients, the activation), and x and dy are read once, one kernel each
@@ -432,7 +432,7 @@ def _moments(rows: GroupRows, a, b, counts):
 # NCHW segments held whole: one pass each way
 
 
-def _whole_segments(seg: common.Segments, itemsize: int, *, backward: bool,
+def whole_segments(seg: common.Segments, itemsize: int, *, backward: bool,
                     mask=(True, True, True)):
   """``(ChannelChunks, plan)`` where each NCHW segment is one row of the row kernels, else None.
 
@@ -458,7 +458,7 @@ def _whole_segments(seg: common.Segments, itemsize: int, *, backward: bool,
   return mosaic_gpu_rows.ChannelChunks(groups=seg.groups, cg=seg.cg, cpc=seg.minor // width), plan
 
 
-def _segment_launch(seg: common.Segments, plan, interpret):
+def segment_launch(seg: common.Segments, plan, interpret):
   """The row kernels' launch over the segments: rows of ``cg * HW``, a piece per group."""
   rows = common.Segments("rows", seg.n, 1, seg.cg * seg.minor, groups=1,
                          param_groups=seg.param_groups, activation=seg.activation)
@@ -472,7 +472,7 @@ def _per_channel(a, seg: common.Segments):
 
 def _forward_whole(x, weight, bias, channels, plan, *, seg, eps, interpret):
   """``(y, mean, rstd)``: each segment read once, its statistics and y from SMEM."""
-  launch = _segment_launch(seg, plan, interpret)
+  launch = segment_launch(seg, plan, interpret)
   x4 = x.reshape(seg.n, seg.groups, plan.chunks, plan.width)
   stats = jax.ShapeDtypeStruct((seg.n, seg.groups), F32)
   kernel = functools.partial(mosaic_gpu_rows.fwd_kernel, launch=launch, eps=eps,
@@ -492,7 +492,7 @@ def _backward_whole(dy, x, mean, rstd, gamma, beta, channels, plan, *, seg, mask
   The kernel leaves per-(CTA, channel) partial sums; XLA adds them over the
   CTAs in a fixed order.
   """
-  launch = _segment_launch(seg, plan, interpret)
+  launch = segment_launch(seg, plan, interpret)
   view = lambda a: a.reshape(seg.n, seg.groups, plan.chunks, plan.width)
   n_acc = mask[1] + mask[2]
   has_beta = seg.activation is not None and beta is not None
@@ -521,7 +521,7 @@ def _backward_whole(dy, x, mean, rstd, gamma, beta, channels, plan, *, seg, mask
 
 def forward(x, weight, bias, *, seg: common.Segments, eps: float, interpret):
   """GroupNorm ``(y, mean, rstd)``: sums, statistics in XLA, then y (or NCHW segments whole)."""
-  whole = _whole_segments(seg, x.dtype.itemsize, backward=False)
+  whole = whole_segments(seg, x.dtype.itemsize, backward=False)
   if whole is not None:
     return _forward_whole(x, weight, bias, *whole, seg=seg, eps=eps, interpret=interpret)
   rows = GroupRows(seg)
@@ -552,7 +552,7 @@ def backward(dy, x, mean, rstd, gamma, beta, *, seg: common.Segments, mask, inte
   recomputed from x and the per-(i, c) rstd, gamma, beta; dgamma and dbeta
   are then of z's cotangent, as the primitive defines them.
   """
-  whole = _whole_segments(seg, x.dtype.itemsize, backward=True, mask=mask)
+  whole = whole_segments(seg, x.dtype.itemsize, backward=True, mask=mask)
   if whole is not None:
     return _backward_whole(dy, x, mean, rstd, gamma, beta, *whole, seg=seg, mask=mask,
                            interpret=interpret)

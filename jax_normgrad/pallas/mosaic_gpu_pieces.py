@@ -32,7 +32,7 @@ from jax_normgrad.pallas import mosaic_gpu_pipeline as pipeline
 F32 = jnp.float32
 
 
-class _PieceRows:
+class PieceRows:
   """The pieces of long rows as the rows of the sums kernel (one scalar pair per piece)."""
 
   per_row = True
@@ -58,7 +58,7 @@ def _piece_sums(seg, pieces, plan, x4, dy4, mean, rstd, gamma4, *, interpret, r4
 
   ``r4`` (forward): the residual's pieces; the moments are of ``x + residual``.
   """
-  rows = _PieceRows(seg, pieces, plan.padded)
+  rows = PieceRows(seg, pieces, plan.padded)
   backward = dy4 is not None
   launch = pipeline.Launch(rows.rows, plan, interpret)
   flat = lambda a: None if a is None else a.reshape(rows.rows.n, plan.chunks, plan.width)
@@ -81,6 +81,33 @@ def _piece_sums(seg, pieces, plan, x4, dy4, mean, rstd, gamma4, *, interpret, r4
   return a.reshape(seg.n, pieces), b.reshape(seg.n, pieces)
 
 
+def forward_plans(seg: common.Segments, itemsize: int, *, params: int, extra_bytes: int = 0,
+                  residual_bytes: int = 0):
+  """``(pieces, plan of the kernel writing y, plan of the moments kernel)`` of rows too long
+  for one CTA's SMEM; ``extra_bytes`` the residual form's rows (residual and h), of which the
+  moments kernel streams the residual's (``residual_bytes``)."""
+  pieces, plan = config.mosaic_gpu_pieces(seg.minor, itemsize, backward=False, params=params,
+                                          extra_bytes=extra_bytes)
+  sums_plan = config.mosaic_gpu_plan(plan.padded, itemsize, backward=False, params=0, outputs=0,
+                                     extra_bytes=residual_bytes)
+  return pieces, plan, sums_plan
+
+
+def backward_plans(seg: common.Segments, itemsize: int, *, has_gamma: bool, mask,
+                   extra_bytes: int = 0):
+  """``(pieces, plan of the kernel writing dx and the partials, plan of the sums kernel | None)``
+  of rows too long for one CTA's SMEM; the sums kernel (c1, c2) runs where dx is asked for.
+  ``extra_bytes``: dh's bytes per element."""
+  pieces, plan = config.mosaic_gpu_pieces(seg.minor, itemsize, backward=True,
+                                          params=int(has_gamma), outputs=int(mask[0]),
+                                          partials=mask[1] + mask[2], extra_bytes=extra_bytes)
+  sums_plan = None
+  if mask[0]:
+    sums_plan = config.mosaic_gpu_plan(plan.padded, itemsize, backward=True, params=0, outputs=0,
+                                       partials=0)
+  return pieces, plan, sums_plan
+
+
 def forward(x, residual, weight, bias, *, seg: common.Segments, eps: float, interpret,
             h_dtype=None):
   """``(y, mean | None, rstd)`` of rows too long for one CTA's SMEM.
@@ -90,15 +117,13 @@ def forward(x, residual, weight, bias, *, seg: common.Segments, eps: float, inte
   """
   n_params = (weight is not None) + (bias is not None)
   has_residual = residual is not None
-  r_bytes = residual.dtype.itemsize if has_residual else 0
-  pieces, plan = config.mosaic_gpu_pieces(
-      seg.minor, x.dtype.itemsize, backward=False, params=n_params,
-      extra_bytes=mosaic_gpu_rows.residual_bytes(residual, h_dtype))
+  pieces, plan, sums_plan = forward_plans(
+      seg, x.dtype.itemsize, params=n_params,
+      extra_bytes=mosaic_gpu_rows.residual_bytes(residual, h_dtype),
+      residual_bytes=residual.dtype.itemsize if has_residual else 0)
   length = plan.padded
   x4 = _pieces(x.reshape(seg.n, seg.minor), pieces, plan)
   r4 = _pieces(residual.reshape(seg.n, seg.minor), pieces, plan) if has_residual else None
-  sums_plan = config.mosaic_gpu_plan(length, x.dtype.itemsize, backward=False, params=0,
-                                     outputs=0, extra_bytes=r_bytes)
   means, m2s = _piece_sums(seg, pieces, sums_plan, x4, None, None, None, None,
                            interpret=interpret, r4=r4)
   counts = [float(length)] * (pieces - 1) + [float(seg.minor - (pieces - 1) * length)]
@@ -135,10 +160,8 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
   """
   has_gamma = gamma is not None
   n_acc = mask[1] + mask[2]
-  pieces, plan = config.mosaic_gpu_pieces(seg.minor, x.dtype.itemsize, backward=True,
-                                          params=int(has_gamma), outputs=int(mask[0]),
-                                          partials=n_acc,
-                                          extra_bytes=0 if dh is None else dh.dtype.itemsize)
+  pieces, plan, sums_plan = backward_plans(seg, x.dtype.itemsize, has_gamma=has_gamma, mask=mask,
+                                           extra_bytes=0 if dh is None else dh.dtype.itemsize)
   length = plan.padded
   x4 = _pieces(x.reshape(seg.n, seg.minor), pieces, plan)
   dy4 = _pieces(dy.reshape(seg.n, seg.minor), pieces, plan)
@@ -146,8 +169,6 @@ def backward(dy, x, mean, rstd, gamma, dh=None, *, seg: common.Segments, mask, i
   gamma4 = None if gamma is None else _pieces(gamma, pieces, plan)
   cs = []
   if mask[0]:
-    sums_plan = config.mosaic_gpu_plan(length, x.dtype.itemsize, backward=True, params=0,
-                                       outputs=0, partials=0)
     m = mean if seg.centered else jnp.zeros_like(rstd)
     s1, s2 = _piece_sums(seg, pieces, sums_plan, x4, dy4, m, rstd, gamma4, interpret=interpret)
     if seg.centered:

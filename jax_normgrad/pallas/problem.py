@@ -22,8 +22,9 @@ class Problem:
 
   ``itemsize``: x's bytes per element as the kernels read it (after a
   forward's widening to a float32 y); ``extra_bytes``: the residual form's
-  further rows, bytes per element (the residual and h forward, dh backward);
-  ``empty``: no kernel runs (an empty x, or a backward with nothing asked for).
+  further rows, bytes per element (the residual and h forward, dh backward),
+  ``residual_bytes`` the residual's share of them; ``empty``: no kernel runs
+  (an empty x, or a backward with nothing asked for).
   """
 
   seg: Segments
@@ -38,6 +39,10 @@ class Problem:
   #: dy's dtype.
   mask: tuple[bool, bool, bool] = (True, True, True)
   dx_dy: bool = False
+  #: Which of (weight, bias) the kernels are handed: a backward's bias is GroupNorm's with an
+  #: activation only.
+  params: tuple[bool, bool] = (True, True)
+  residual_bytes: int = 0
 
   @property
   def dy_itemsize(self) -> int:
@@ -59,21 +64,26 @@ def y_plan(x_dtype, y_dtype):
 
 
 def forward_problem(seg: Segments, x_dtype, *, size: int, y_dtype=None, residual_dtype=None,
-                    h_dtype=None) -> Problem:
-  """The :class:`Problem` of ``forward`` with these operands (``size``: x's elements)."""
+                    h_dtype=None, params=(True, True)) -> Problem:
+  """The :class:`Problem` of ``forward`` with these operands (``size``: x's elements;
+  ``params``: whether the weight and the bias are given)."""
   x_dtype, _ = y_plan(x_dtype, y_dtype)
-  extra = 0
+  extra = residual = 0
   if residual_dtype is not None:
-    extra = jnp.dtype(residual_dtype).itemsize + jnp.dtype(h_dtype or x_dtype).itemsize
-  return Problem(seg, x_dtype.itemsize, False, extra, empty=size == 0, dtype=x_dtype.name)
+    residual = jnp.dtype(residual_dtype).itemsize
+    extra = residual + jnp.dtype(h_dtype or x_dtype).itemsize
+  return Problem(seg, x_dtype.itemsize, False, extra, empty=size == 0, dtype=x_dtype.name,
+                 params=tuple(bool(p) for p in params), residual_bytes=residual)
 
 
 def backward_problem(seg: Segments, x_dtype, mask, *, size: int, dh_dtype=None, dy_dtype=None,
-                     dx_dy: bool = False) -> Problem:
-  """The :class:`Problem` of ``backward`` with these operands (``size``: x's elements)."""
+                     dx_dy: bool = False, params=(True, False)) -> Problem:
+  """The :class:`Problem` of ``backward`` with these operands (``size``: x's elements;
+  ``params``: whether the weight is given, and GroupNorm's bias with an activation)."""
   extra = 0 if dh_dtype is None else jnp.dtype(dh_dtype).itemsize
   x_dtype = jnp.dtype(x_dtype)
   return Problem(seg, x_dtype.itemsize, True, extra,
                  empty=size == 0 or not any(mask), dtype=x_dtype.name,
                  dy_dtype=jnp.dtype(dy_dtype or x_dtype).name,
-                 mask=tuple(bool(m) for m in mask), dx_dy=dx_dy)
+                 mask=tuple(bool(m) for m in mask), dx_dy=dx_dy,
+                 params=tuple(bool(p) for p in params))
