@@ -208,8 +208,27 @@ def bind(prim, *args, lead: int = 1, **params):
   parameter rows by position, so they stay unpartitioned too.
   """
   args = match_varying(args)
+  key = tuple((a.shape, a.dtype) for a in args)
+  fn, factors = _plan(prim, tuple(sorted(params.items())), lead, key)
+  if factors is None:
+    return fn(*args)
+  mesh = _compat.explicit_mesh(args)
+  if mesh is not None:
+    return _shard_mapped(prim.name, fn, args, mesh, *factors)
+  return _partitioned_plan(prim, tuple(sorted(params.items())), lead, key)(*args)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(prim, params: tuple, lead: int, shapes: tuple):
+  """``bind``'s call of ``prim`` on operands of these shapes and dtypes: the local function, and
+  the factors of its partitioning rule (None where the call is not partitioned).
+
+  Cached, as is :func:`_partitioned_plan`: a model's norms of one shape share the functions, so
+  jax traces their wrappers once, not once a norm.
+  """
+  params = dict(params)
   in_roles, out_roles = _ROLES[prim](**params)
-  row_in = [r[:1] == (ROW,) and a.shape != (0,) for r, a in zip(in_roles, args)]
+  row_in = [r[:1] == (ROW,) and shape != (0,) for r, (shape, _) in zip(in_roles, shapes)]
   row_out = [r[:1] == (ROW,) for r in out_roles]
 
   def fn(*local):
@@ -220,20 +239,24 @@ def bind(prim, *args, lead: int = 1, **params):
     return [o.reshape(lead_shape + o.shape[1:]) if r else o for o, r in zip(outs, row_out)]
 
   if params.get("param_groups", 1) != 1 or not any(row_in) or lead < 1:
-    return fn(*args)
+    return fn, None
   rows = (ROW,) + tuple(f"{ROW}{i}" for i in range(1, lead))
   # Shapes only: fn merges the lead dims, a reshape that explicit sharding may refuse on
   # global types (jax < 0.9); fn itself only ever runs on local shards.
-  outs = jax.eval_shape(fn, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
-  name = lambda i, a, r, is_row: (f"e{i}",) if a.shape == (0,) and not is_row else (
+  outs = jax.eval_shape(fn, *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes])
+  name = lambda i, shape, r, is_row: (f"e{i}",) if shape == (0,) and not is_row else (
       rows + tuple(r[1:]) if is_row else tuple(r))
-  in_factors = [name(i, a, r, w) for i, (a, r, w) in enumerate(zip(args, in_roles, row_in))]
-  out_factors = [name(len(args) + i, o, r, w)
+  in_factors = [name(i, shape, r, w)
+                for i, ((shape, _), r, w) in enumerate(zip(shapes, in_roles, row_in))]
+  out_factors = [name(len(shapes) + i, o.shape, r, w)
                  for i, (o, r, w) in enumerate(zip(outs, out_roles, row_out))]
-  mesh = _compat.explicit_mesh(args)
-  if mesh is not None:
-    return _shard_mapped(prim.name, fn, args, mesh, in_factors, out_factors)
-  return _partitioned(prim.name, fn, in_factors, out_factors)(*args)
+  return fn, (in_factors, out_factors)
+
+
+@functools.lru_cache(maxsize=4096)
+def _partitioned_plan(prim, params: tuple, lead: int, shapes: tuple) -> Callable:
+  fn, (in_factors, out_factors) = _plan(prim, params, lead, shapes)
+  return _partitioned(prim.name, fn, in_factors, out_factors)
 
 
 def _shard_mapped(op: str, fn: Callable, args, mesh, in_factors, out_factors) -> list:
