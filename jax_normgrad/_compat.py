@@ -308,7 +308,7 @@ class JaxprPrimitive(NamedTuple):
 
 PRIMITIVES = {
     # Calls: inlined for the matcher, their body rewritten.
-    "jit": JaxprPrimitive(("jit", "pjit"), ("jaxpr",), ("name",)),
+    "jit": JaxprPrimitive(("jit", "pjit"), ("jaxpr",), ("name", "in_shardings", "out_shardings")),
     "closed_call": JaxprPrimitive(("closed_call", "core_call"), ("call_jaxpr",)),
     # Evaluated again under jax.checkpoint with the same policy.
     "checkpoint": JaxprPrimitive(("remat2", "checkpoint", "remat"), ("jaxpr",),

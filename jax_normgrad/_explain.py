@@ -83,8 +83,9 @@ def explain(fun: Callable, *args, platform: str | None = None, **kwargs) -> Expl
   put it for ``platform`` (None: JAX's default backend) and the device jax
   targets there (the default device, or the abstract mesh's).
 
-  What a lowering alone can know is not assumed: an op in a multi-device
-  ``jit`` on a TPU (where the kernels fall back) is reported as on one device.
+  An op is taken as partitioned over devices by XLA (on a TPU the kernels then
+  fall back, as :func:`choose` says) where an argument's sharding or a nested
+  ``jit``'s spans several devices, unless it is inside a ``shard_map``.
 
   Raises:
     ValueError: an op whose ``implementation`` cannot run on ``platform``,
@@ -94,7 +95,7 @@ def explain(fun: Callable, *args, platform: str | None = None, **kwargs) -> Expl
   closed = jax.make_jaxpr(functools.partial(fun, **kwargs))(*args)
   found = Explanation()
   registry = _lowering.registered()
-  for eqn, where in _equations(closed.jaxpr, "?"):
+  for eqn, where, partitioned in _equations(closed.jaxpr, "?", _multi_device(args, kwargs)):
     lowerings = registry.get(eqn.primitive.name)
     if lowerings is None:
       continue
@@ -105,7 +106,7 @@ def explain(fun: Callable, *args, platform: str | None = None, **kwargs) -> Expl
     problem = _lowering.problem_of(lowerings, avals, params)
     with config.lowering(params.pop("tuning", ()), platform):
       choice = choose(eqn.primitive.name, implementation, platform, forward=forward,
-                      problem=problem)
+                      problem=problem, auto_partitioned=lambda: partitioned)
       plan = IMPLEMENTATIONS[choice.implementation].describe(
           Request(eqn.primitive.name, platform, problem))
     operands = tuple(f"{a.dtype}{list(a.shape)}" for a in avals)
@@ -113,8 +114,20 @@ def explain(fun: Callable, *args, platform: str | None = None, **kwargs) -> Expl
   return found
 
 
-def _equations(jaxpr, where: str):
-  """``(equation, the user's line)`` of ``jaxpr`` and of the jaxprs in its equations' parameters.
+def _multi_device(*trees) -> bool:
+  """Whether a leaf of ``trees`` (an array or ``jax.ShapeDtypeStruct``) is sharded over several
+  devices."""
+  return any(_spans_devices(getattr(leaf, "sharding", None)) for leaf in jax.tree.leaves(trees))
+
+
+def _spans_devices(sharding) -> bool:
+  return len(getattr(sharding, "device_set", ())) > 1
+
+
+def _equations(jaxpr, where: str, partitioned: bool):
+  """``(equation, the user's line, partitioned)`` of ``jaxpr`` and of the jaxprs in its
+  equations' parameters; ``partitioned``: whether XLA partitions the equation over devices (a
+  ``jit`` with shardings over several devices; not inside ``shard_map``).
 
   The equations of a ``cond``'s branches are given once where branches repeat
   them (the package's ops are staged per platform: ``_sharding.bind``). The
@@ -123,10 +136,17 @@ def _equations(jaxpr, where: str):
   """
   for eqn in jaxpr.eqns:
     here = _user_line(eqn.source_info) or where
-    yield eqn, here
+    yield eqn, here, partitioned
+    inside = partitioned
+    if eqn.primitive.name in _JIT:
+      inside = partitioned or any(_spans_devices(s) for s in (
+          *_compat.param(eqn.params, "in_shardings", ()),
+          *_compat.param(eqn.params, "out_shardings", ())))
+    elif eqn.primitive.name in _SHARD_MAP:
+      inside = False
     seen = set()
     for inner in _compat.jaxprs_in_params(eqn.params):
-      for found in _equations(inner, here):
+      for found in _equations(inner, here, inside):
         key = (found[0].primitive, str(found[0].params), found[1],
                tuple(str(v.aval) for v in found[0].invars))
         if eqn.primitive.name not in _COND or key not in seen:
@@ -135,6 +155,8 @@ def _equations(jaxpr, where: str):
 
 
 _COND = _compat.primitive_names("cond")
+_JIT = _compat.primitive_names("jit")
+_SHARD_MAP = _compat.primitive_names("shard_map")
 _NOT_USER = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, jaxlib))
 
 

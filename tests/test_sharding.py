@@ -647,3 +647,23 @@ def test_rewrite_of_a_sharded_step(where):
     got = step(x, w, b)
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w, b)
   _close(got, want)
+
+
+@eight
+def test_explain_on_tpu_knows_a_multi_device_jit():
+  """``explain`` for a TPU, as the lowering decides: in a jit over 8 devices (Auto axes: XLA
+  partitions the op, which it cannot do to a Pallas TPU kernel) the reference, with the reason;
+  inside ``shard_map`` and on one device, the kernels."""
+  mesh = _mesh((8,), ("d",))
+  x = _put(X, mesh, "d")
+  loss = lambda x, w, b: jnp.sum(jn.layer_norm(x, w, b) ** 2)
+  explained = jn.explain(jax.grad(loss), x, W, B, platform="tpu")
+  assert [e.choice.implementation for e in explained] == ["xla", "xla"], str(explained)
+  assert "multi-device jit" in str(explained)
+  # The shardings of a nested jit alone, on arguments of one device.
+  sharded = jax.jit(jax.grad(loss), in_shardings=(NamedSharding(mesh, P("d")), None, None))
+  assert {e.choice.implementation for e in jn.explain(sharded, X, W, B, platform="tpu")} == {"xla"}
+  body = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P("d"), P(), P()), out_specs=P("d"))
+  for fn, args in ((body, (x, W, B)), (jax.grad(loss), (X, W, B))):
+    assert {e.choice.implementation for e in jn.explain(fn, *args, platform="tpu")} == {
+        "mosaic_tpu"}
