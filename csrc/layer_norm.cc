@@ -7,9 +7,11 @@
 // Statistics arrive as float32; weight and bias as float32 or in x's dtype
 // (as the user's parameters are: a 16-bit weight is read, not converted into
 // a float32 copy first, which for few long rows is as big as x). The kernels
-// are templated on the storage type of x, of y (forward) or dy (backward),
-// which is x's or float32 (a 16-bit x with a float32 result), and of the
-// parameters, Tp.
+// are templated on the storage type of x, of the parameters, Tp, and (the
+// forward) of y, which is x's or float32 (a 16-bit x with a float32
+// result). The backward reads a 16-bit x's dy, in x's dtype or float32,
+// through an XOrF32 (simd.h): the two at run time, in one loop; and which
+// of its outputs it computes is a run-time choice too (layer_norm_bwd.cc).
 // Both handlers can also write xhat (write_xhat), and the backward can start
 // from xhat instead of x (normalized): the AscendC / InfiniOp forms of the
 // backward run on these same kernels.
