@@ -527,7 +527,7 @@ inline VW MulAdd(VW a, VW b, VW c) { return (VW)_mm512_fmadd_ps((__m512)a, (__m5
 // A pointer to elements of T or of float32, which of the two chosen at run
 // time: an operand that is in x's dtype T or in float32 (the y of a 16-bit x
 // with a float32 result, the dy of its backward). A loop compiled for x's
-// dtype alone loads and stores through it (Ld, StOut, PrefetchLine below),
+// dtype alone loads and stores through it (Ld, St, StOut, PrefetchLine below),
 // a branch per vector that every vector of a call takes the same way, where
 // each dtype of the operand would be a copy of the loop; for T = float there
 // is one type and no branch. Input and output alike (an input is never
@@ -574,6 +574,13 @@ inline auto Ld(Tag tag, XOrF32<T> p) {
     if (!p.f32()) return Ld(tag, static_cast<const T*>(p.as_x()));
   }
   return Ld(tag, static_cast<const float*>(p.as_f32()));
+}
+template <typename Tag, typename T, typename V>
+inline void St(Tag tag, XOrF32<T> p, V v) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (!p.f32()) return St(tag, p.as_x(), v);
+  }
+  St(tag, p.as_f32(), v);
 }
 template <typename Tag, typename T, typename V>
 inline void StOut(Tag tag, XOrF32<T> p, V v, bool stream) {
