@@ -106,11 +106,11 @@ ffi::Error DispatchFloat(ffi::DataType dtype, const char* what, Fn&& fn) {
   }
 }
 
-// For an operand that may be x's dtype or float32 (LayerNorm's parameters
-// and a float32 x's y): calls `fn(U{})` with U = T, the storage type of x,
-// or float; an error naming `what` for any other dtype. Each U compiles the
-// loops that read the operand again; where only a load or a store differs,
-// XOrF32 (simd.h) chooses between the two at run time instead.
+// For an operand that may be x's dtype or float32 (LayerNorm's
+// parameters): calls `fn(U{})` with U = T, the storage type of x, or float;
+// an error naming `what` for any other dtype. Each U compiles the loops
+// that read the operand again; where only a load or a store differs, XOrF32
+// (simd.h) chooses between the two at run time instead.
 template <typename T, typename Fn>
 ffi::Error DispatchSameOrF32(ffi::DataType dtype, ffi::DataType x_dtype, const char* what,
                              Fn&& fn) {
