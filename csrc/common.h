@@ -106,29 +106,17 @@ ffi::Error DispatchFloat(ffi::DataType dtype, const char* what, Fn&& fn) {
   }
 }
 
-// For an operand that may be x's dtype or float32 (y of the forward with a
-// float32 result, dy of its backward): calls `fn(U{})` with U = T, the
-// storage type of x, or float; an error naming `what` for any other dtype.
-// A 16-bit x with a float32 y is the mixed precision of a float32 model
-// with 16-bit activations: no float32 copy of x is ever made.
+// For an operand that may be x's dtype or float32 (LayerNorm's
+// parameters): calls `fn(U{})` with U = T, the storage type of x, or float;
+// an error naming `what` for any other dtype. Each U compiles the loops
+// that read the operand again; where only a load or a store differs, XOrF32
+// (simd.h) chooses between the two at run time instead.
 template <typename T, typename Fn>
 ffi::Error DispatchSameOrF32(ffi::DataType dtype, ffi::DataType x_dtype, const char* what,
                              Fn&& fn) {
   if (dtype == x_dtype) return fn(T{});
   if (dtype == ffi::DataType::F32) return fn(float{});
   return ffi::Error::InvalidArgument(std::string(what) + ": dtype must be x's or float32");
-}
-
-// fn(T{}, To{}) for x's element type T (DispatchFloat) and an output's To,
-// T or float32 (DispatchSameOrF32; `what` names the output in errors).
-template <typename Fn>
-ffi::Error DispatchXAndOutput(const ffi::AnyBuffer& x, ffi::DataType out_dtype, const char* what,
-                              Fn&& fn) {
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    return DispatchSameOrF32<T>(out_dtype, x.element_type(), what,
-                                [&](auto out_tag) { return fn(tag, out_tag); });
-  });
 }
 
 // A task's non-temporal stores (StStream in simd.h) are weakly ordered:

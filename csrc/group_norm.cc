@@ -3,9 +3,11 @@
 //
 // x is (N, C, HW) (channels_last=false) or (N, HW, C) (channels_last=true),
 // both read in place, never transposed; y (forward) and dy (backward) are in
-// x's dtype or float32 (a 16-bit x with a float32 result). Statistics are (N, G) float32; gamma
-// and beta arrive as float32 (W, C): the samples form W equal contiguous
-// parameter groups (W > 1 only under vmap with per-example parameters).
+// x's dtype or float32 (a 16-bit x with a float32 result), which of the two
+// a run-time choice of the loops compiled for x's dtype (XOrF32, simd.h).
+// Statistics are (N, G) float32; gamma and beta arrive as float32 (W, C):
+// the samples form W equal contiguous parameter groups (W > 1 only under
+// vmap with per-example parameters).
 // Each (n, g) block has D = C/G * HW elements.
 //
 // Backward, per block (means over the block, g = dy * gamma[c]):
@@ -183,8 +185,8 @@ void WithKeptDz(bool keep, const Fn& fn) {
   fn(std::false_type{});
 }
 // The second pass's dz where the first kept it (kKeep), else dy.
-template <bool kKeep, typename Tag, typename T, typename Tdy>
-inline auto LdDzOrDy(Tag tag, const T* dz, const Tdy* dy) {
+template <bool kKeep, typename Tag, typename T>
+inline auto LdDzOrDy(Tag tag, const T* dz, XOrF32<T> dy) {
   if constexpr (kKeep) {
     return Ld(tag, dz);
   } else {
@@ -192,9 +194,10 @@ inline auto LdDzOrDy(Tag tag, const T* dz, const Tdy* dy) {
   }
 }
 
-template <int64_t A, typename T, typename Ty>
+template <int64_t A, typename T>
 void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
-                      const float* b, float eps, Ty* y, float* mean, float* rstd, bool stream_y) {
+                      const float* b, float eps, XOrF32<T> y, float* mean, float* rstd,
+                      bool stream_y) {
   const int64_t D = s.D(), blocks = s.N * s.G;
   const float inv_d = 1.0f / static_cast<float>(D);
   const int64_t tasks = NumTasks(blocks, CeilDiv(kMinElementsPerTask, D), kMaxTasks);
@@ -223,7 +226,7 @@ void GroupNormFwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
         const int64_t c = g * s.Cg + ci;
         const float a = rs * (wn ? wn[c] : 1.f), bb = bn ? bn[c] : 0.f;
         const T* xc = xb + ci * s.HW;
-        Ty* yc = y + off + ci * s.HW;
+        const XOrF32<T> yc = y + (off + ci * s.HW);
         const bool stream = StreamRow(stream_y, yc);
         ForRowWide(yc, s.HW, [&](auto tag, int64_t j) {
           if (prefetch) PrefetchLine(tag, xc + D + j);
@@ -413,9 +416,10 @@ void StatsNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, float eps, f
 // where y is unused, as it drops jnp code. One call for both measured no
 // faster: the statistics need the whole sample before y's first element,
 // and an L3 re-read of x costs about what a memory read does here.
-template <int64_t A, typename T, typename Ty>
+template <int64_t A, typename T>
 void GroupNormApplyNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* mean,
-                        const float* rstd, const float* w, const float* b, Ty* y, bool stream_y) {
+                        const float* rstd, const float* w, const float* b, XOrF32<T> y,
+                        bool stream_y) {
   const size_t nc = static_cast<size_t>(s.N * s.C);
   std::vector<float> mu_c(nc), a_c(nc), b_c(nc);
   ExpandGroups(s, mean, 0, s.N, mu_c.data());
@@ -427,7 +431,7 @@ void GroupNormApplyNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, con
     const float* bb = b_c.data() + n * s.C;
     for (int64_t hw = hb; hw < he; ++hw) {
       const T* xr = x + (n * s.HW + hw) * s.C;
-      Ty* yr = y + (n * s.HW + hw) * s.C;
+      const XOrF32<T> yr = y + (n * s.HW + hw) * s.C;
       const bool stream = StreamRow(stream_y, yr);
       ForRowWide(yr, s.C, [&](auto tag, int64_t c) {
         StOut(tag, yr + c,
@@ -439,9 +443,10 @@ void GroupNormApplyNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, con
 }
 
 // Channels-last forward: the statistics, then y unless y == nullptr.
-template <int64_t A, typename T, typename Ty>
+template <int64_t A, typename T>
 void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const float* w,
-                      const float* b, float eps, Ty* y, float* mean, float* rstd, bool stream_y) {
+                      const float* b, float eps, XOrF32<T> y, float* mean, float* rstd,
+                      bool stream_y) {
   StatsNHWC(pool, s, x, eps, mean, rstd);
   if (y) GroupNormApplyNHWC<A>(pool, s, x, mean, rstd, w, b, y, stream_y);
 }
@@ -449,8 +454,8 @@ void GroupNormFwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const T* x, const
 // Fills db[n*C + c] = sum_hw dy and ds[n*C + c] = sum_hw dy * (x - mean[n, g]),
 // and, when dx != nullptr, writes dx. NCHW: one task owns whole (n, g) blocks,
 // so a block's second pass finds x and dy in cache.
-template <int64_t A, typename T, typename Tdy>
-void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, const T* x,
+template <int64_t A, typename T>
+void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, XOrF32<T> dy, const T* x,
                       const float* mean, const float* rstd, const float* gamma, const float* beta,
                       T* dx, float* db, float* ds, bool stream_dx) {
   const int64_t D = s.D(), blocks = s.N * s.G;
@@ -468,7 +473,7 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
       const float* bn = s.ParamRow(beta, n);
       float sum_g = 0.f, sum_gdx = 0.f;
       for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
-        const Tdy* dyc = dy + (n * s.C + c) * s.HW;
+        const XOrF32<T> dyc = dy + (n * s.C + c) * s.HW;
         const T* xc = x + (n * s.C + c) * s.HW;
         const float gm = gn ? gn[c] : 1.f;
         const float za = rs * gm, zb = bn ? bn[c] : 0.f;  // z = (x - mean) za + zb
@@ -496,7 +501,7 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
       const float b = rs * sum_g * inv_d;
       const float k = rs * rs * (sum_gdx * rs * inv_d);
       for (int64_t c = g * s.Cg; c < (g + 1) * s.Cg; ++c) {
-        const Tdy* dyc = dy + (n * s.C + c) * s.HW;
+        const XOrF32<T> dyc = dy + (n * s.C + c) * s.HW;
         const T* xc = x + (n * s.C + c) * s.HW;
         T* dxc = dx + (n * s.C + c) * s.HW;
         const float a = rs * (gn ? gn[c] : 1.f), zb = bn ? bn[c] : 0.f;
@@ -515,8 +520,8 @@ void GroupNormBwdNCHW(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
   });
 }
 
-template <int64_t A, typename T, typename Tdy>
-void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, const T* x,
+template <int64_t A, typename T>
+void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, XOrF32<T> dy, const T* x,
                       const float* mean, const float* rstd, const float* gamma, const float* beta,
                       T* dx, float* db, float* ds, bool stream_dx) {
   const size_t nc = static_cast<size_t>(s.N * s.C);
@@ -546,7 +551,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
     // across pixels, each pixel's adds waited on the last pixel's stores
     // (8x32x32x64: this pass took 2/3 of the call).
     ColumnSums(pool, s, n0, n1, 2 * s.C, [&](int64_t n, int64_t hb, int64_t he, float* acc) {
-      const Tdy* dyn = dy + n * s.HW * s.C;
+      const XOrF32<T> dyn = dy + n * s.HW * s.C;
       const T* xn = x + n * s.HW * s.C;
       const float* mu = mu_c.data() + n * s.C;
       [[maybe_unused]] const float* za = A != kIdentity ? za_c.data() + n * s.C : nullptr;
@@ -588,7 +593,7 @@ void GroupNormBwdNHWC(ffi::ThreadPool* pool, const GnShape& s, const Tdy* dy, co
       WithKeptDz<kKeepDz>(keep_dz, [&](auto kept) {
         constexpr bool kKept = decltype(kept)::value;
         for (int64_t hw = hb; hw < he; ++hw) {
-          const Tdy* dyr = dy + (n * s.HW + hw) * s.C;
+          const XOrF32<T> dyr = dy + (n * s.HW + hw) * s.C;
           const T* xr = x + (n * s.HW + hw) * s.C;
           T* dxr = dx + (n * s.HW + hw) * s.C;
           const bool stream = StreamRow(stream_dx, dxr);
@@ -647,13 +652,14 @@ ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const float* w = has_weight ? weight.typed_data() : nullptr;
   const float* b = has_bias ? bias.typed_data() : nullptr;
   return DispatchActivation(activation, [&](auto act) {
-    return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
+    return DispatchFloat(x.element_type(), "x", [&](auto tag) {
       using T = decltype(tag);
-      using Ty = decltype(ytag);
       constexpr int64_t A = decltype(act)::value;
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-      Ty* yp = compute_y ? reinterpret_cast<Ty*>(y->untyped_data()) : nullptr;
-      AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
+      XOrF32<T> yp;
+      JNG_RETURN_IF_ERROR(XOrF32Of(y->element_type(), x.element_type(), "y",
+                                   compute_y ? y->untyped_data() : nullptr, &yp));
+      AdviseHugePages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
       const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
       ffi::ThreadPool* p = PoolFor(&pool, static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
       if (channels_last)
@@ -686,11 +692,12 @@ ffi::Error GroupNormApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const float* w = has_weight ? weight.typed_data() : nullptr;
   const float* b = has_bias ? bias.typed_data() : nullptr;
   return DispatchActivation(activation, [&](auto act) {
-    return DispatchXAndOutput(x, y->element_type(), "y", [&](auto tag, auto ytag) {
+    return DispatchFloat(x.element_type(), "x", [&](auto tag) {
       using T = decltype(tag);
-      using Ty = decltype(ytag);
-      Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
-      AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
+      XOrF32<T> yp;
+      JNG_RETURN_IF_ERROR(
+          XOrF32Of(y->element_type(), x.element_type(), "y", y->untyped_data(), &yp));
+      AdviseHugePages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
       GroupNormApplyNHWC<decltype(act)::value>(
           PoolFor(&pool, static_cast<int64_t>(x.size_bytes() + y->size_bytes())), s,
           reinterpret_cast<const T*>(x.untyped_data()), mean.typed_data(),
@@ -740,11 +747,10 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     ffi::Error dy_error = DispatchActivation(activation, [&](auto act) {
-     return DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out",
-                                 [&](auto dytag) {
-      using Tdy = decltype(dytag);
       constexpr int64_t A = decltype(act)::value;
-      const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
+      XOrF32<T> dyp;
+      JNG_RETURN_IF_ERROR(
+          XOrF32Of(dy.element_type(), x.element_type(), "grad_out", dy.untyped_data(), &dyp));
       const T* xp = reinterpret_cast<const T*>(x.untyped_data());
       T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
       AdviseHugePages(dxp, static_cast<int64_t>(dx->size_bytes()));
@@ -757,7 +763,6 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       else
         GroupNormBwdNCHW<A>(p, s, dyp, xp, mp, rp, gm, bt, dxp, db.data(), ds.data(), stream_dx);
       return ffi::Error::Success();
-     });
     });
     if (dy_error.failure()) return dy_error;
     // Parameter gradients: sums over the samples of each parameter group, in

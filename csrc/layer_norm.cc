@@ -7,9 +7,13 @@
 // Statistics arrive as float32; weight and bias as float32 or in x's dtype
 // (as the user's parameters are: a 16-bit weight is read, not converted into
 // a float32 copy first, which for few long rows is as big as x). The kernels
-// are templated on the storage type of x, of y (forward) or dy (backward),
-// which is x's or float32 (a 16-bit x with a float32 result), and of the
-// parameters, Tp.
+// are templated on the storage type of x and of the parameters, Tp. y
+// (forward) and dy (backward) are in x's dtype or float32 (a 16-bit x with a
+// float32 result), read and written through an XOrF32 (simd.h), the two at
+// run time in one loop; or, with a float32 x, in any of the three (y for
+// 16-bit matmuls after a float32 residual stream), each a template copy.
+// Which outputs the backward computes is a run-time choice too
+// (layer_norm_bwd.cc).
 // Both handlers can also write xhat (write_xhat), and the backward can start
 // from xhat instead of x (normalized): the AscendC / InfiniOp forms of the
 // backward run on these same kernels.
@@ -50,8 +54,8 @@ inline bool PrefetchInMomentsPass(bool stream_y) { return !stream_y; }
 // xo when given (w and b are never null: ones / zeros stand in for absent
 // ones). kPrefetch: prefetches the line `ahead` elements on in x (0: none);
 // without it the loop has no prefetch code (PrefetchInMomentsPass).
-template <bool kPrefetch, typename T, typename Ty, typename Tp>
-void FwdOutput(const T* x, const Tp* w, const Tp* b, Ty* y, T* xo, int64_t n, float mu,
+template <bool kPrefetch, typename T, typename Y, typename Tp>
+void FwdOutput(const T* x, const Tp* w, const Tp* b, Y y, T* xo, int64_t n, float mu,
                float rs, int64_t ahead, bool stream_y) {
   const bool stream = StreamRow(stream_y, y);
   ForRowWide(y, n, [&](auto tag, int64_t j) {
@@ -60,14 +64,14 @@ void FwdOutput(const T* x, const Tp* w, const Tp* b, Ty* y, T* xo, int64_t n, fl
     }
     auto xh = (Ld(tag, x + j) - mu) * rs;
     if (xo) St(tag, xo + j, xh);
-    StOut(tag, y + j, xh * Ld(tag, w + j) + Ld(tag, b + j), stream);
+    StOut(tag, y + j, MulAdd(xh, Ld(tag, w + j), Ld(tag, b + j)), stream);
   });
 }
 
 // `xhat_out` (optional) receives xhat = (x - mean) * rstd in T, for a backward
 // from the normalized input (layer_norm(save="normalized")).
-template <typename T, typename Ty, typename Tp>
-void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Ty* y, T* xhat_out,
+template <typename T, typename Y, typename Tp>
+void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Y y, T* xhat_out,
                       float* mean_out, float* rstd_out, int64_t row_begin,
                       int64_t row_end, int64_t H, float eps, bool centered, bool stream_y) {
   const float inv_h = 1.0f / static_cast<float>(H);
@@ -113,16 +117,16 @@ void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Ty* y, T* xhat_out,
 // rounded once, y = (v - mu) * rs * w + b (FwdOutput's arithmetic on the
 // unrounded sum). Prefetches the lines `ahead` elements on in x and the
 // residual (0: none).
-template <typename T, typename Tr, typename Th, typename Ty, typename Tp>
-void AddFwdOutput(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* b, Ty* y, int64_t n,
-                  float mu, float rs, int64_t ahead, bool stream_y) {
+template <typename T, typename Tp>
+void AddFwdOutput(const T* x, XOrF32<T> r, XOrF32<T> h, const Tp* w, const Tp* b, T* y,
+                  int64_t n, float mu, float rs, int64_t ahead, bool stream_y) {
   const bool stream = StreamRow(stream_y, y);
   ForRowWide(y, n, [&](auto tag, int64_t j) {
     if (ahead) PrefetchLine(tag, x + ahead + j), PrefetchLine(tag, r + ahead + j);
     auto v = Ld(tag, x + j) + Ld(tag, r + j);
     St(tag, h + j, v);
     auto xh = (v - mu) * rs;
-    StOut(tag, y + j, xh * Ld(tag, w + j) + Ld(tag, b + j), stream);
+    StOut(tag, y + j, MulAdd(xh, Ld(tag, w + j), Ld(tag, b + j)), stream);
   });
 }
 
@@ -136,8 +140,8 @@ void AddFwdOutput(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* b, Ty* 
 // L1 buffer first, the moments read from there: the same harness as
 // moments.h's, 64 rows of 512 float32 in L2, 9.0-10.4 -> 6.8 us with the
 // mean, 7.3 -> 6.0 us without.)
-template <typename T, typename Tr, typename Th, typename Ty, typename Tp>
-void AddLayerNormFwdRows(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* b, Ty* y,
+template <typename T, typename Tp>
+void AddLayerNormFwdRows(const T* x, XOrF32<T> r, XOrF32<T> h, const Tp* w, const Tp* b, T* y,
                          float* mean_out, float* rstd_out, int64_t row_begin, int64_t row_end,
                          int64_t H, float eps, bool centered, bool stream_y) {
   const bool prefetch_rows = PrefetchNextRow<float>(H);
@@ -146,7 +150,7 @@ void AddLayerNormFwdRows(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* 
     for (int64_t c0 = 0; c0 < H; c0 += kMomentsChunk) {
       const int64_t len = H - c0 < kMomentsChunk ? H - c0 : kMomentsChunk;
       const T* xc = x + i * H + c0;
-      const Tr* rc = r + i * H + c0;
+      const XOrF32<T> rc = r + (i * H + c0);
       float mu, q;
       RowMomentsOf(
           len, centered, [&](auto tag, int64_t j) { return Ld(tag, xc + j) + Ld(tag, rc + j); },
@@ -166,9 +170,9 @@ void AddLayerNormFwdRows(const T* x, const Tr* r, Th* h, const Tp* w, const Tp* 
 // any second pass over the chunk in cache), merged per row in chunk order
 // (Chan et al.): the cancellation-free variance with one pass over memory.
 // RMSNorm sums x^2 instead. Phase 2: the output pass per (row, chunk).
-template <typename T, typename Ty, typename Tp>
+template <typename T, typename Y, typename Tp>
 void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const Tp* w, const Tp* b,
-                         Ty* y, T* xhat_out, float* mean_out, float* rstd_out,
+                         Y y, T* xhat_out, float* mean_out, float* rstd_out,
                          int64_t row_begin, int64_t row_end, int64_t H, float eps,
                          bool centered, bool stream_y) {
   const ColumnChunks cc(H);
@@ -195,23 +199,42 @@ void LayerNormFwdChunked(ffi::ThreadPool* pool, const T* x, const Tp* w, const T
   });
 }
 
-// fn(T{}, Ty{}, Tp{}): the forward's storage types of x, y and the parameters.
-// y is x's dtype or float32, or any of the three with a float32 x (a float32
-// residual stream's norm feeding 16-bit matmuls: y rounded once here, no
-// float32 y written for XLA to round).
+// fn(T{}, y, Tp{}): the forward's storage types of x and the parameters,
+// and y as the row loops write it. y is x's dtype or float32: for a 16-bit
+// x an XOrF32<T>, the two chosen at run time (simd.h); or any of the three
+// with a float32 x (a float32 residual stream's norm feeding 16-bit
+// matmuls: y rounded once here, no float32 y written for XLA to round), a
+// pointer of its type.
 template <typename Fn>
-ffi::Error DispatchFwdTypes(const ffi::AnyBuffer& x, ffi::DataType y_dtype,
+ffi::Error DispatchFwdTypes(const ffi::AnyBuffer& x, ffi::DataType y_dtype, void* y_data,
                             const ffi::AnyBuffer& weight, bool has_weight,
                             const ffi::AnyBuffer& bias, bool has_bias, bool widen, Fn&& fn) {
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    auto with_y = [&](auto ytag) {
+    auto with_y = [&](auto y) {
       return DispatchParams<T>(x, weight, has_weight, bias, has_bias, widen,
-                               [&](auto ptag) { return fn(tag, ytag, ptag); });
+                               [&](auto ptag) { return fn(tag, y, ptag); });
     };
-    if constexpr (sizeof(T) == 4) return DispatchFloat(y_dtype, "y", with_y);
-    return DispatchSameOrF32<T>(y_dtype, x.element_type(), "y", with_y);
+    if constexpr (sizeof(T) == 4) {
+      return DispatchFloat(y_dtype, "y", [&](auto ytag) {
+        return with_y(static_cast<decltype(ytag)*>(y_data));
+      });
+    } else {
+      XOrF32<T> y;
+      JNG_RETURN_IF_ERROR(XOrF32Of(y_dtype, x.element_type(), "y", y_data, &y));
+      return with_y(y);
+    }
   });
+}
+
+// y as x's storage type, where the residual form has it so.
+template <typename T>
+T* AsX(T* y) {
+  return y;
+}
+template <typename T>
+T* AsX(XOrF32<T> y) {
+  return y.as_x();
 }
 
 // The residual form's forward over every row: row tasks (AddLayerNormFwdRows)
@@ -224,22 +247,18 @@ ffi::Error AddLayerNormFwd(ffi::ThreadPool* pool, ffi::DataType x_dtype, const T
                            ffi::AnyBuffer& h, const Tp* w, const Tp* b, T* yp, float* mean_p,
                            float* rstd_p, int64_t M, int64_t W, int64_t H, float eps,
                            bool centered, bool stream_y) {
-  return DispatchSameOrF32<T>(residual.element_type(), x_dtype, "residual", [&](auto rtag) {
-    return DispatchSameOrF32<T>(h.element_type(), x_dtype, "h", [&](auto htag) {
-      using Tr = decltype(rtag);
-      using Th = decltype(htag);
-      const Tr* rp = reinterpret_cast<const Tr*>(residual.untyped_data());
-      Th* hp = reinterpret_cast<Th*>(h.untyped_data());
-      AdviseHugePages(hp, static_cast<int64_t>(h.size_bytes()));
-      RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
-      ParallelFor(pool, split.num_tasks(), [&](int64_t t) {
-        const int64_t grp = split.group(t);
-        AddLayerNormFwdRows(xp, rp, hp, w + grp * H, b + grp * H, yp, mean_p, rstd_p,
-                            split.begin(t), split.end(t), H, eps, centered, stream_y);
-      });
-      return ffi::Error::Success();
-    });
+  XOrF32<T> rp, hp;
+  JNG_RETURN_IF_ERROR(
+      XOrF32Of(residual.element_type(), x_dtype, "residual", residual.untyped_data(), &rp));
+  JNG_RETURN_IF_ERROR(XOrF32Of(h.element_type(), x_dtype, "h", h.untyped_data(), &hp));
+  AdviseHugePages(h.untyped_data(), static_cast<int64_t>(h.size_bytes()));
+  RowGroupTasks split(M, W, NumTasks(M / W, CeilDiv(kMinElementsPerTask, H), kMaxTasks));
+  ParallelFor(pool, split.num_tasks(), [&](int64_t t) {
+    const int64_t grp = split.group(t);
+    AddLayerNormFwdRows(xp, rp, hp, w + grp * H, b + grp * H, yp, mean_p, rstd_p,
+                        split.begin(t), split.end(t), H, eps, centered, stream_y);
   });
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -277,23 +296,23 @@ ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   float* rstd_p = rstd->typed_data();
   ffi::ThreadPool* pool_p = PoolFor(&pool, static_cast<int64_t>(
       x.size_bytes() + y->size_bytes() + residual.size_bytes() + h->size_bytes()));
-  return DispatchFwdTypes(x, y->element_type(), weight, has_weight, bias, has_bias,
-                          WidenParams(M / W, H), [&](auto tag, auto ytag, auto ptag) {
+  return DispatchFwdTypes(x, y->element_type(), y->untyped_data(), weight, has_weight, bias,
+                          has_bias, WidenParams(M / W, H), [&](auto tag, auto yp, auto ptag) {
     using T = decltype(tag);
-    using Ty = decltype(ytag);
+    using Y = decltype(yp);
     using Tp = decltype(ptag);
     std::vector<Tp> w_ones, b_zeros;
     const Tp* w = ParamsOrConstant<T>(weight, has_weight, W * H, 1.f, &w_ones);
     const Tp* b = ParamsOrConstant<T>(bias, has_bias, W * H, 0.f, &b_zeros);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-    Ty* yp = reinterpret_cast<Ty*>(y->untyped_data());
-    AdviseHugePages(yp, static_cast<int64_t>(y->size_bytes()));
+    AdviseHugePages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
     const bool stream_y = StreamOutput(static_cast<int64_t>(x.size_bytes() + y->size_bytes()));
     T* xhp = write_xhat ? reinterpret_cast<T*>(xhat->untyped_data()) : nullptr;
     if (has_residual) {
-      if constexpr (std::is_same_v<Ty, T>) {
-        return AddLayerNormFwd<T, Tp>(pool_p, x.element_type(), xp, residual, *h, w, b, yp, mean_p, rstd_p, M, W, H,
-                                      eps, centered, stream_y);
+      // y is in x's dtype here (checked above).
+      if constexpr (std::is_same_v<Y, T*> || std::is_same_v<Y, XOrF32<T>>) {
+        return AddLayerNormFwd<T, Tp>(pool_p, x.element_type(), xp, residual, *h, w, b, AsX(yp),
+                                      mean_p, rstd_p, M, W, H, eps, centered, stream_y);
       }
       return ffi::Error::InvalidArgument("y: dtype must match x's with a residual");
     }

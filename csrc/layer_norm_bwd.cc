@@ -35,25 +35,40 @@ constexpr int64_t kColumnChunksMaxBytes = int64_t{32} << 20;
 // (mean(g) is dropped when !centered: RMSNorm), dweight += dy * xhat,
 // dbias += dy. A first pass over a row computes the two means; the second,
 // fused, pass finds the row in cache and writes dx and accumulates
-// dweight/dbias. Templated on which outputs are computed, so a masked output
-// costs nothing.
+// dweight/dbias. Which outputs are computed (dx, dweight, dbias) is a
+// run-time choice: null pointers, tested once per vector by branches that
+// every vector of a call takes the same way (predicted, off the critical
+// path of the loads and FMAs), so one loop serves every output mask.
 // normalized: x already holds xhat (the forward saved it instead of x), there
 // is no mean, and rstd (null when dx is not computed) only scales dx.
 // xhat_out (optional) receives xhat in T (AscendC's res_for_gamma). dy is
-// in Tdy: T, or float32 where the forward's y was, or (float32 x: the
-// residual form's float32 h) the 16-bit dtype of its y. dx_dy (optional,
+// in Tdy: T or float32 where the forward's y was (for a 16-bit x, the two
+// at run time: an XOrF32<T>), or (float32 x: the residual form's float32 h)
+// the 16-bit dtype of its y. dx_dy (optional,
 // with dx) receives dx once more, rounded to Tdy: the residual form's
 // gradient of a 16-bit x when h is float32, so that no XLA pass widens dy
 // before the kernel or rounds dx after it.
-template <typename T, typename Tdy, typename Tp, bool kDx, bool kDw, bool kDb>
+// dy's element type where its row pointer D is a pointer; T where it is an
+// XOrF32<T> (a 16-bit x's dy, in T or float32: then there is no dx_dy).
+template <typename T, typename D>
+struct DyElem {
+  using type = T;
+};
+template <typename T, typename E>
+struct DyElem<T, const E*> {
+  using type = E;
+};
+
+template <typename T, typename D, typename Tp>
 struct LayerNormBwd {
-  const Tdy* dy;
+  using Tdy = typename DyElem<T, D>::type;
+  D dy;  // const Tdy*, or an XOrF32<T> (simd.h) for a 16-bit x
   const T* x;
   const float* mean;
   const float* rstd;
   const Tp* w;  // this group's weight row, float32 or x's dtype
   const T* dh;  // added into dx (the residual form; null: none)
-  T* dx;
+  T* dx;        // null: dx is not computed
   Tdy* dx_dy;  // dx in dy's dtype too (with dx; null: none)
   T* xhat_out;
   int64_t H;
@@ -81,7 +96,7 @@ struct LayerNormBwd {
 
   // Sums of g and g * xhat over columns [c0, c0 + n) of row i.
   void Sums(int64_t i, int64_t c0, int64_t n, float* s_g, float* s_gx) const {
-    const Tdy* dyr = dy + i * H + c0;
+    const D dyr = dy + (i * H + c0);
     const T* xr = x + i * H + c0;
     const Tp* wr = w + c0;
     const float mu = Mu(i), xs = Xs(i);
@@ -105,33 +120,34 @@ struct LayerNormBwd {
   // The storage types the residual form brings (ops/add_norm.py), and only
   // they instantiate its loops (the handler refuses the others): dh (x's
   // dtype T) with dy in T or, for a float32 h, in the 16-bit dtype of its y;
-  // the second dx (kDxDy) only in the latter case. Loops no call could reach
-  // took 10% of the LayerNorm kernels' compile time (then one file, AVX2
-  // build: 127 -> 114 s of one core, object 6.0 -> 5.3 MB).
+  // the second dx (kDxDy) only in the latter case.
   static constexpr bool kDhTypes = sizeof(Tdy) <= sizeof(T);
   static constexpr bool kDxDyTypes = sizeof(T) == 4 && sizeof(Tdy) == 2;
 
-  // The fused pass over columns [c0, c0 + n) of row i; dw, db point at
-  // column c0 of the accumulators, which it adds to, or overwrites when
-  // kOverwrite (the first row into outputs nobody zeroed). Prefetches the
-  // line `ahead` elements on in dy and x (0: none).
+  // The fused pass over columns [c0, c0 + n) of row i; dw, db (null: not
+  // computed) point at column c0 of the accumulators, which it adds to, or
+  // overwrites when `overwrite` (the first row into outputs nobody zeroed).
+  // Prefetches the line `ahead` elements on in dy and x (0: none).
   // The residual form's dh (kDh) and second dx (kDxDy) are instantiations
-  // of their own (FusedResidual): the plain loop stays as it was.
-  template <bool kOverwrite = false, bool kDh = false, bool kDxDy = false>
+  // of their own (FusedResidual): the plain loop has no code for them.
+  template <bool kDh = false, bool kDxDy = false>
   void Fused(int64_t i, int64_t c0, int64_t n, float b, float k, float* dw, float* db,
-             int64_t ahead) const {
-    if constexpr (kDx && !kDh && !kDxDy && kDhTypes) {
-      if (dh || dx_dy) return FusedResidual<kOverwrite>(i, c0, n, b, k, dw, db, ahead);
+             int64_t ahead, bool overwrite = false) const {
+    if constexpr (!kDh && !kDxDy && kDhTypes) {
+      if (dx && (dh || dx_dy)) return FusedResidual(i, c0, n, b, k, dw, db, ahead, overwrite);
     }
-    const Tdy* dyr = dy + i * H + c0;
+    const D dyr = dy + (i * H + c0);
     const T* xr = x + i * H + c0;
     const Tp* wr = w + c0;
-    T* dxr = kDx ? dx + i * H + c0 : nullptr;
+    // The mask as locals (registers): the loop's stores could alias members.
+    T* dxr = dx ? dx + i * H + c0 : nullptr;
     [[maybe_unused]] const T* dhr = kDh ? dh + i * H + c0 : nullptr;
     [[maybe_unused]] Tdy* dx2r = kDxDy ? dx_dy + i * H + c0 : nullptr;
     T* xo = xhat_out ? xhat_out + i * H + c0 : nullptr;
+    const bool with_dx = dxr != nullptr, with_dw = dw != nullptr, with_db = db != nullptr;
+    const bool accumulate = !overwrite;
     const float mu = Mu(i), rs = Rs(i), xs = Xs(i);
-    const bool stream = kDx && StreamRow(stream_dx, dxr);
+    const bool stream = with_dx && StreamRow(stream_dx, dxr);
     [[maybe_unused]] bool stream2 = false;
     if constexpr (kDxDy)
       stream2 = stream && (sizeof(Tdy) == 4 || kStreamNarrowRows) && AlignedAlike(dx2r, dxr);
@@ -139,7 +155,7 @@ struct LayerNormBwd {
       if (ahead) PrefetchLine(tag, dyr + ahead + j), PrefetchLine(tag, xr + ahead + j);
       auto d = Ld(tag, dyr + j);
       auto xh = (Ld(tag, xr + j) - mu) * xs;
-      if (kDx) {
+      if (with_dx) {
         auto g = rs * (d * Ld(tag, wr + j)) - b - k * xh;
         if constexpr (kDh) {
           if (ahead) PrefetchLine(tag, dhr + ahead + j);
@@ -148,8 +164,13 @@ struct LayerNormBwd {
         StOut(tag, dxr + j, g, stream);
         if constexpr (kDxDy) StOut(tag, dx2r + j, g, stream2);
       }
-      if (kDw) St(tag, dw + j, kOverwrite ? d * xh : Ld(tag, dw + j) + d * xh);
-      if (kDb) St(tag, db + j, kOverwrite ? d : Ld(tag, db + j) + d);
+      // Overwriting adds d * xh to -0, which leaves every value as it is
+      // (+0 + -0 is +0): the first row's dw is d * xh exactly.
+      if (with_dw) {
+        const auto base = accumulate ? Ld(tag, dw + j) : -decltype(d){};
+        St(tag, dw + j, MulAdd(d, xh, base));
+      }
+      if (with_db) St(tag, db + j, accumulate ? Ld(tag, db + j) + d : d);
       if (xo) St(tag, xo + j, xh);
     });
   }
@@ -157,23 +178,23 @@ struct LayerNormBwd {
   // The residual form's loops (dh, and dx in dy's dtype too: kDxDy), each an
   // instantiation of its own. Not inlined into the plain Fused, whose code
   // (and its inlining into Rows) then stays what it was without them.
-  template <bool kOverwrite>
   __attribute__((noinline)) void FusedResidual(int64_t i, int64_t c0, int64_t n, float b,
-                                               float k, float* dw, float* db,
-                                               int64_t ahead) const {
-    if (!dx_dy) return Fused<kOverwrite, true, false>(i, c0, n, b, k, dw, db, ahead);
+                                               float k, float* dw, float* db, int64_t ahead,
+                                               bool overwrite) const {
+    if (!dx_dy) return Fused<true, false>(i, c0, n, b, k, dw, db, ahead, overwrite);
     if constexpr (kDxDyTypes) {
-      if (!dh) return Fused<kOverwrite, false, true>(i, c0, n, b, k, dw, db, ahead);
-      Fused<kOverwrite, true, true>(i, c0, n, b, k, dw, db, ahead);
+      if (!dh) return Fused<false, true>(i, c0, n, b, k, dw, db, ahead, overwrite);
+      Fused<true, true>(i, c0, n, b, k, dw, db, ahead, overwrite);
     }
   }
 
-  // Rows [row_begin, row_end) whole, into this task's dw/db accumulators.
+  // Rows [row_begin, row_end) whole, into this task's dw/db accumulators
+  // (null: not computed).
   void Rows(int64_t row_begin, int64_t row_end, float* dw, float* db) const {
     const bool prefetch_rows = PrefetchNextRow<T>(H);
     for (int64_t i = row_begin; i < row_end; ++i) {
       float b = 0.f, k = 0.f;
-      if (kDx) {
+      if (dx) {
         float s_g, s_gx;
         Sums(i, 0, H, &s_g, &s_gx);
         Coefficients(i, s_g, s_gx, &b, &k);
@@ -184,23 +205,6 @@ struct LayerNormBwd {
     }
   }
 };
-
-// Calls fn(std::bool_constant<dx>, <dw>, <db>) with the output mask as types.
-template <typename Fn>
-void WithMask(bool dx, bool dw, bool db, const Fn& fn) {
-  using T_ = std::true_type;
-  using F_ = std::false_type;
-  switch ((dx ? 4 : 0) + (dw ? 2 : 0) + (db ? 1 : 0)) {
-    case 0: return fn(F_{}, F_{}, F_{});
-    case 1: return fn(F_{}, F_{}, T_{});
-    case 2: return fn(F_{}, T_{}, F_{});
-    case 3: return fn(F_{}, T_{}, T_{});
-    case 4: return fn(T_{}, F_{}, F_{});
-    case 5: return fn(T_{}, F_{}, T_{});
-    case 6: return fn(T_{}, T_{}, F_{});
-    default: return fn(T_{}, T_{}, T_{});
-  }
-}
 
 // The backward of few, long rows (UseColumnChunks) by column chunks.
 // Phase 1: the two sums of every (row, chunk); per row they are added in
@@ -236,25 +240,35 @@ void ColumnChunkedBwd(ffi::ThreadPool* pool, const Op& op, int64_t row_begin, in
     const int64_t c0 = border(c), n = border(c + 1) - c0;
     float* dwc = dw ? dw + c0 : nullptr;
     float* dbc = db ? db + c0 : nullptr;
-    op.template Fused<true>(row_begin, c0, n, b[0], k[0], dwc, dbc, 0);
+    op.Fused(row_begin, c0, n, b[0], k[0], dwc, dbc, 0, /*overwrite=*/true);
     for (int64_t r = 1; r < rows; ++r) op.Fused(row_begin + r, c0, n, b[r], k[r], dwc, dbc, 0);
   });
 }
 
-// fn(T{}, Tdy{}, Tp{}): the backward's storage types of x, dy and weight.
-// dy is x's dtype or float32, or any of the three with a float32 x (the
-// residual form's float32 h under a 16-bit y).
+// fn(T{}, dy, Tp{}): the backward's storage types of x and weight, and dy's
+// row as the loops read it. dy is x's dtype or float32 (for a 16-bit x an
+// XOrF32<T>, the two chosen at run time), or any of the three with a
+// float32 x (the residual form's float32 h under a 16-bit y), a pointer of
+// its type.
 template <typename Fn>
 ffi::Error DispatchBwdTypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
                             const ffi::AnyBuffer& weight, bool has_weight, bool widen, Fn&& fn) {
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    auto with_dy = [&](auto dytag) {
+    auto with_dy = [&](auto dyp) {
       return DispatchParams<T>(x, weight, has_weight, weight, false, widen,
-                               [&](auto ptag) { return fn(tag, dytag, ptag); });
+                               [&](auto ptag) { return fn(tag, dyp, ptag); });
     };
-    if constexpr (sizeof(T) == 4) return DispatchFloat(dy.element_type(), "grad_out", with_dy);
-    return DispatchSameOrF32<T>(dy.element_type(), x.element_type(), "grad_out", with_dy);
+    if constexpr (sizeof(T) == 4) {
+      return DispatchFloat(dy.element_type(), "grad_out", [&](auto dytag) {
+        return with_dy(static_cast<const decltype(dytag)*>(dy.untyped_data()));
+      });
+    } else {
+      XOrF32<T> dyp;
+      JNG_RETURN_IF_ERROR(
+          XOrF32Of(dy.element_type(), x.element_type(), "grad_out", dy.untyped_data(), &dyp));
+      return with_dy(dyp);
+    }
   });
 }
 
@@ -360,13 +374,13 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     if (db_out) db_part.assign(static_cast<size_t>(split.num_tasks() * H), 0.f);
   }
   return DispatchBwdTypes(x, dy, weight, has_weight, WidenParams(rows_per_group, H),
-                          [&](auto tag, auto dytag, auto ptag) {
+                          [&](auto tag, auto dyp, auto ptag) {
     using T = decltype(tag);
-    using Tdy = decltype(dytag);
+    using D = decltype(dyp);
     using Tp = decltype(ptag);
+    using Tdy = typename DyElem<T, D>::type;
     std::vector<Tp> w_ones;
     const Tp* w = ParamsOrConstant<T>(weight, has_weight, W * H, 1.f, &w_ones);
-    const Tdy* dyp = reinterpret_cast<const Tdy*>(dy.untyped_data());
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     T* dxp = compute_dx ? reinterpret_cast<T*>(dx->untyped_data()) : nullptr;
     AdviseHugePages(dxp, static_cast<int64_t>(dx->size_bytes()));
@@ -378,27 +392,23 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     const T* dhp = has_dh ? reinterpret_cast<const T*>(dh.untyped_data()) : nullptr;
     Tdy* dx_dyp = write_dx_dy ? reinterpret_cast<Tdy*>(dx_dy->untyped_data()) : nullptr;
     AdviseHugePages(dx_dyp, static_cast<int64_t>(dx_dy->size_bytes()));
-    WithMask(compute_dx, dw_out != nullptr, db_out != nullptr, [&](auto kdx, auto kdw, auto kdb) {
-      using Op = LayerNormBwd<T, Tdy, Tp, decltype(kdx)::value, decltype(kdw)::value,
-                              decltype(kdb)::value>;
-      auto op_of = [&](int64_t grp) {
-        return Op{dyp, xp, mean_p, rstd_p, w + grp * H, dhp, dxp, dx_dyp, xhp, H, centered,
-                  normalized, stream_dx};
-      };
-      if (column_chunks) {
-        for (int64_t grp = 0; grp < W; ++grp)
-          ColumnChunkedBwd(pool_p, op_of(grp), grp * rows_per_group, (grp + 1) * rows_per_group,
-                           compute_dx, dw_out ? dw_out + grp * H : nullptr,
-                           db_out ? db_out + grp * H : nullptr);
-        return;
-      }
+    auto op_of = [&](int64_t grp) {
+      return LayerNormBwd<T, D, Tp>{dyp, xp, mean_p, rstd_p, w + grp * H, dhp, dxp, dx_dyp,
+                                      xhp, H, centered, normalized, stream_dx};
+    };
+    if (column_chunks) {
+      for (int64_t grp = 0; grp < W; ++grp)
+        ColumnChunkedBwd(pool_p, op_of(grp), grp * rows_per_group, (grp + 1) * rows_per_group,
+                         compute_dx, dw_out ? dw_out + grp * H : nullptr,
+                         db_out ? db_out + grp * H : nullptr);
+    } else {
       ParallelFor(pool_p, split.num_tasks(), [&](int64_t t) {
         const int64_t grp = split.group(t);
         float* dw = dw_out ? (use_partials ? dw_part.data() + t * H : dw_out + grp * H) : nullptr;
         float* db = db_out ? (use_partials ? db_part.data() + t * H : db_out + grp * H) : nullptr;
         op_of(grp).Rows(split.begin(t), split.end(t), dw, db);
       });
-    });
+    }
     if (use_partials) {
       for (int64_t grp = 0; grp < W; ++grp) {
         const int64_t off = grp * per_group * H;

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -470,17 +471,18 @@ inline void PrefetchLine(WideTagL<L>, const T* p) {
 // Calls body(tag, j) over a row of n elements, as ForRow, for a body that is
 // elementwise (no reduction across j; each element's value independent of
 // the vector width). The avx512bf16 build runs it on 16-wide vectors, two per
-// step, after one 8-wide vector where `out` (the row's output, null for
-// none) is aligned to 8 elements but not 16, so that streaming stores
-// (StreamRow) stay aligned; then 8-wide and scalar tails. Other builds:
-// ForRow.
-template <typename T, typename Body>
-__attribute__((always_inline)) inline void ForRowWide([[maybe_unused]] const T* out, int64_t n,
-                                                      const Body& body) {
+// step, after one 8-wide vector where `out` (the row's output, of
+// `out_bytes`-byte elements; null for none) is aligned to 8 elements but not
+// 16, so that streaming stores (StreamRow) stay aligned; then 8-wide and
+// scalar tails. Other builds: ForRow.
+template <typename Body>
+__attribute__((always_inline)) inline void ForRowWideOf([[maybe_unused]] const void* out,
+                                                        [[maybe_unused]] uintptr_t out_bytes,
+                                                        int64_t n, const Body& body) {
 #if defined(JNG_WIDE_VECTORS)
   int64_t j = 0;
-  constexpr uintptr_t kNarrowBytes = kVec * sizeof(T), kWideBytes = kWideVec * sizeof(T);
-  if (out && reinterpret_cast<uintptr_t>(out) % kWideBytes == kNarrowBytes && n >= kVec) {
+  const uintptr_t narrow_bytes = kVec * out_bytes, wide_bytes = kWideVec * out_bytes;
+  if (out && (reinterpret_cast<uintptr_t>(out) & (wide_bytes - 1)) == narrow_bytes && n >= kVec) {
     body(VecTagL<0>{}, j);
     j += kVec;
   }
@@ -494,6 +496,113 @@ __attribute__((always_inline)) inline void ForRowWide([[maybe_unused]] const T* 
 #else
   ForRow(n, body);
 #endif
+}
+template <typename T, typename Body>
+__attribute__((always_inline)) inline void ForRowWide(const T* out, int64_t n, const Body& body) {
+  ForRowWideOf(out, sizeof(T), n, body);
+}
+
+// a * b + c, as one FMA in the builds that have it (the rounding GCC's
+// contraction of the expression gives there) and a multiply and an add in
+// the others: for a loop whose multiply and add a branch separates, where
+// GCC would contract nothing.
+inline float MulAdd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline VF MulAdd(VF a, VF b, VF c) {
+#if defined(__FMA__)
+  return (VF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+#if defined(JNG_WIDE_VECTORS)
+inline VW MulAdd(VW a, VW b, VW c) { return (VW)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#endif
+
+// A pointer to elements of T or of float32, which of the two chosen at run
+// time: an operand that is in x's dtype T or in float32 (the y of a 16-bit x
+// with a float32 result, the dy of its backward). A loop compiled for x's
+// dtype alone loads and stores through it (Ld, St, StOut, PrefetchLine below),
+// a branch per vector that every vector of a call takes the same way, where
+// each dtype of the operand would be a copy of the loop; for T = float there
+// is one type and no branch. Input and output alike (an input is never
+// stored to). A branch between a multiply and the add of its result keeps
+// GCC from contracting the two into one FMA, which rounds differently in
+// the builds with FMA: where one would, MulAdd makes the FMA explicit.
+template <typename T>
+class XOrF32 {
+ public:
+  XOrF32() = default;
+  XOrF32(const void* p, bool f32)
+      : p_(static_cast<char*>(const_cast<void*>(p))), f32_(std::is_same_v<T, float> || f32) {}
+  bool f32() const { return std::is_same_v<T, float> || f32_; }
+  uintptr_t elem_bytes() const { return f32() ? sizeof(float) : sizeof(T); }
+  XOrF32 operator+(int64_t k) const {
+    XOrF32 r = *this;
+    r.p_ += k * static_cast<int64_t>(elem_bytes());
+    return r;
+  }
+  T* as_x() const { return reinterpret_cast<T*>(p_); }
+  float* as_f32() const { return reinterpret_cast<float*>(p_); }
+  const void* get() const { return p_; }
+  explicit operator bool() const { return p_ != nullptr; }
+
+ private:
+  char* p_ = nullptr;
+  bool f32_ = false;
+};
+
+// The XOrF32 view of `data`, an operand of dtype `dtype` beside x's
+// `x_dtype`: an error naming `what` unless that is x's dtype or float32.
+template <typename T>
+ffi::Error XOrF32Of(ffi::DataType dtype, ffi::DataType x_dtype, const char* what,
+                    const void* data, XOrF32<T>* out) {
+  if (dtype != x_dtype && dtype != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument(std::string(what) + ": dtype must be x's or float32");
+  *out = XOrF32<T>(data, dtype != x_dtype);
+  return ffi::Error::Success();
+}
+
+template <typename Tag, typename T>
+inline auto Ld(Tag tag, XOrF32<T> p) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (!p.f32()) return Ld(tag, static_cast<const T*>(p.as_x()));
+  }
+  return Ld(tag, static_cast<const float*>(p.as_f32()));
+}
+template <typename Tag, typename T, typename V>
+inline void St(Tag tag, XOrF32<T> p, V v) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (!p.f32()) return St(tag, p.as_x(), v);
+  }
+  St(tag, p.as_f32(), v);
+}
+template <typename Tag, typename T, typename V>
+inline void StOut(Tag tag, XOrF32<T> p, V v, bool stream) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (!p.f32()) return StOut(tag, p.as_x(), v, stream);
+  }
+  StOut(tag, p.as_f32(), v, stream);
+}
+template <typename Tag, typename T>
+inline void PrefetchLine(Tag tag, XOrF32<T> p) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (!p.f32()) return PrefetchLine(tag, static_cast<const T*>(p.as_x()));
+  }
+  PrefetchLine(tag, static_cast<const float*>(p.as_f32()));
+}
+template <typename T>
+inline bool StreamRow(bool stream_output, XOrF32<T> p) {
+  return p.f32() ? StreamRow(stream_output, p.as_f32()) : StreamRow(stream_output, p.as_x());
+}
+template <typename T, typename Body>
+__attribute__((always_inline)) inline void ForRowWide(XOrF32<T> out, int64_t n, const Body& body) {
+  ForRowWideOf(out.get(), out.elem_bytes(), n, body);
 }
 
 }  // namespace JNG_ISA
