@@ -77,18 +77,22 @@ def step_of(loss):
   return step
 
 
+def _trace_times(loss, rewritten_loss, args, repeats: int) -> tuple[list, list]:
+  """Seconds of ``make_jaxpr`` of each loss's ``value_and_grad``, interleaved, ``repeats`` each."""
+  times = ([], [])
+  for _ in range(repeats):
+    for fn, out in zip((loss, rewritten_loss), times):
+      t0 = time.perf_counter()
+      jax.make_jaxpr(jax.value_and_grad(fn))(*args)
+      out.append(time.perf_counter() - t0)
+  return times
+
+
 def trace_cost(model: str, size: str, repeats: int = 3) -> dict:
   """Median seconds to trace the loss plainly and under the rewrite, and to compile the step."""
   loss, p, x, t = setup(model, "flax", size)
   rw = jn.rewrite(loss)
-  plain, rewritten = [], []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.make_jaxpr(jax.value_and_grad(loss))(p, x, t)
-    plain.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    jax.make_jaxpr(jax.value_and_grad(rw))(p, x, t)
-    rewritten.append(time.perf_counter() - t0)
+  plain, rewritten = _trace_times(loss, rw, (p, x, t), repeats)
   t0 = time.perf_counter()
   step_of(rw).lower(p, x, t).compile()
   compile_s = time.perf_counter() - t0
@@ -111,14 +115,7 @@ def depth_sweep(norms: list[int], repeats: int) -> list[dict]:
 
     reports = []
     rw = jn.rewrite(loss, report=reports.append)
-    plain, rewritten = [], []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      jax.make_jaxpr(jax.value_and_grad(loss))(p, x, t)
-      plain.append(time.perf_counter() - t0)
-      t0 = time.perf_counter()
-      jax.make_jaxpr(jax.value_and_grad(rw))(p, x, t)
-      rewritten.append(time.perf_counter() - t0)
+    plain, rewritten = _trace_times(loss, rw, (p, x, t), repeats)
     row = {"blocks": blocks, "norms": sum(reports[-1].counts().values()),
            "trace_plain_s": float(np.median(plain)), "trace_rewrite_s": float(np.median(rewritten))}
     row["rewrite_overhead_s"] = row["trace_rewrite_s"] - row["trace_plain_s"]
