@@ -66,11 +66,11 @@ struct Problem {
       ForRowWide(yb, (end - begin) * h,
                  [&](auto tag, int64_t j) { StOut(tag, yb + j, Ld(tag, xb + j), s); });
     } else if (!residual) {
-      LayerNormFwdRows<float, float, float>(x, w, b, y, nullptr, mean, rstd, begin, end, h, 1e-5f,
-                                            centered, stream);
+      LayerNormFwdRows<float, float*, float>(x, w, b, y, nullptr, mean, rstd, begin, end, h,
+                                             1e-5f, centered, stream);
     } else {
-      AddLayerNormFwdRows<float, float, float, float, float>(x, r, hs, w, b, y, mean, rstd, begin,
-                                                             end, h, 1e-5f, centered, stream);
+      AddLayerNormFwdRows<float, float>(x, XOrF32<float>(r, true), XOrF32<float>(hs, true), w, b,
+                                        y, mean, rstd, begin, end, h, 1e-5f, centered, stream);
     }
     StoreFence();  // as ParallelFor's tasks end
   }
