@@ -15,16 +15,16 @@
 #
 # PLANs: the next calls, each its seconds, stages and settings (the variables below), in the
 # order the open GPU issue asks for, from what the H200 runs left open (BENCHMARKS.md): the
-# SD-class UNet's GroupNorm kernels (14-25% of the roof, the forward behind XLA's) with the
-# sample-wide kernels for its groups of 10 channels now the default, and the whole GPU test
-# list on the installed package. Device time of a call: its seconds plus about 30-90 s of
+# SD-class UNet's GroupNorm kernels (14-25% of the roof, the forward behind XLA's) with and
+# without the sample-wide kernels for its groups of 10 channels, and the whole GPU test list on
+# the installed package. Device time of a call: its seconds plus about 30-90 s of
 # machine start and transfer; a call made within 30 s of the last finds the machine warm.
 #   call-1   460 s: install-bg, bench-sd-gn (90) sweep (110: the SD GroupNorm rows, the
-#            channels-last tunings: odd groups off, the forward's sample-wide kernels up to 64
-#            bytes a group, tiles halved) wait-install, tests (200, the whole list).
+#            channels-last tunings: odd groups, also the forward's up to 64 bytes a group,
+#            tiles halved) wait-install, tests (200, the whole list).
 #            Device command: timeout_s 520, no carry.
 #   call-2   290 s: realistic-sd_unet (the fused form, `rewrite`, the fused form with odd
-#            groups off, bfloat16 and float32). Device command: timeout_s 350, no carry.
+#            groups, bfloat16 and float32). Device command: timeout_s 350, no carry.
 # Together about 14 minutes of device time with both starts, 13 with call-2 warm.
 #
 # Stages, each with its time limit (the limit or what is left of the seconds, whichever is
@@ -113,13 +113,13 @@ case $plan in
   call-1)
     budget=460
     stages="install-bg bench-sd-gn sweep wait-install tests"
-    : "${SWEEP_CONFIGS:=default,nhwc_odd_off,nhwc_fwd_64,nhwc_tiles_half}"
+    : "${SWEEP_CONFIGS:=default,nhwc_odd_groups,nhwc_odd_groups_fwd64,nhwc_tiles_half}"
     : "${SWEEP_ROWS:=gn_nhwc 8x320x64x64x32 bfloat16,gn_nhwc 8x640x32x32x32 bfloat16,gn_nhwc 8x1280x16x16x32 bfloat16,gn_nhwc 8x320x64x64x32 float32,gn_nhwc 8x640x32x32x32 float32}"
     lim_sweep=110 lim_tests=200 ;;
   call-2)
     budget=290
     stages="realistic-sd_unet"
-    : "${VARIANTS_sd_unet:=fused,rewrite,fused@gpu_nhwc_odd_groups=False}"
+    : "${VARIANTS_sd_unet:=fused,rewrite,fused@gpu_nhwc_odd_groups=True}"
     : "${TRACE_VARIANTS_sd_unet:=flax,fused,identity}"
     lim_realistic=280 ;;
   *)

@@ -236,8 +236,8 @@ def _cases() -> list[Case]:
 
 CASES: list[Case] = _cases()
 #: The Triton checks' cases: CASES and the tunings that change only the GPU kernels. The SD-class
-#: UNet's channels-last GroupNorms with ``gpu_nhwc_odd_groups`` (the default; groups of 10 and
-#: 20 channels in the sample-wide kernels), named so that a change of the default keeps them.
+#: UNet's channels-last GroupNorms with ``gpu_nhwc_odd_groups`` (groups of 10 and 20 channels in
+#: the sample-wide kernels).
 GPU_CASES: list[Case] = CASES + [
     dataclasses.replace(case, name=case.name + " odd groups",
                         tuning=(("gpu_nhwc_odd_groups", True),))

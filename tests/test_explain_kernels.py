@@ -42,7 +42,8 @@ EXPLAIN_CASES = {  # name: (function of (x, w, b), x's shape and dtype, tuning)
     "group_norm NHWC sample-wide, split": (_grad_of(_GN(32, -1)), (32, 32, 32, 64), F32, {}),
     "group_norm NHWC per group": (_grad_of(_GN(32, -1)), (4, 16, 16, 320), F32,
                                   {"gpu_nhwc_odd_groups": False}),
-    "group_norm NHWC odd groups": (_grad_of(_GN(32, -1)), (4, 16, 16, 320), jnp.bfloat16, {}),
+    "group_norm NHWC odd groups": (_grad_of(_GN(32, -1)), (4, 16, 16, 320), jnp.bfloat16,
+                                   {"gpu_nhwc_odd_groups": True}),
 }
 
 

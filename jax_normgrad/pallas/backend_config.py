@@ -84,9 +84,10 @@ class TritonConfig:
   #: The sample-wide kernels also for groups of a channel count that is not a
   #: power of two (an SD-class UNet's 32 groups of 10 or 20 channels): the
   #: tile's columns summed per group by a 0/1 matrix instead of a reshape.
-  #: False: the per-group tiles, as for groups of wide sectors (BENCHMARKS.md,
-  #: the SD-class UNet's GroupNorm rows).
-  gpu_nhwc_odd_groups: bool = True
+  #: Faster on an H200 at the SD-class UNet's rows (BENCHMARKS.md), but off: its
+  #: forward with a fused activation spills registers on sm_90 at 8x32x32x320
+  #: bfloat16 (.ci/accel-check), which must be planned away first.
+  gpu_nhwc_odd_groups: bool = False
   #: Largest tile (elements) of the sample-wide channels-last kernels: the
   #: forward keeps about three float32 values per element, the backward five
   #: (x, dy, dx and the two tile-shaped parameter sums).
