@@ -208,14 +208,14 @@ def bind(prim, *args, lead: int = 1, **params):
   parameter rows by position, so they stay unpartitioned too.
   """
   args = match_varying(args)
-  key = tuple((a.shape, a.dtype) for a in args)
-  fn, factors = _plan(prim, tuple(sorted(params.items())), lead, key)
+  key = (prim, tuple(sorted(params.items())), lead, tuple((a.shape, a.dtype) for a in args))
+  fn, factors = _plan(*key)
   if factors is None:
     return fn(*args)
   mesh = _compat.explicit_mesh(args)
   if mesh is not None:
     return _shard_mapped(prim.name, fn, args, mesh, *factors)
-  return _partitioned_plan(prim, tuple(sorted(params.items())), lead, key)(*args)
+  return _partitioned_plan(*key)(*args)
 
 
 @functools.lru_cache(maxsize=4096)
