@@ -328,6 +328,39 @@ PRIMITIVES = {
 }
 
 
+#: The first-order primitives the rewrite reads by name: the matcher's algebra of a norm's
+#: statistics and affine (``_rewrite/_match.py``), the graph's constant folding
+#: (``_graph.py``) and an activation's steps (``_identify.py``), with the parameters it reads
+#: of them (``params`` of each entry; ``bodies`` is empty). Equally jax's internals:
+#: tests/test_compat.py builds each on the installed jax and checks its name and parameters,
+#: and checks that the rewrite's modules name no other primitive of ``jax.lax``.
+LAX_PRIMITIVES = {
+    name: JaxprPrimitive(names, (), params) for name, names, params in (
+        # Arithmetic: the algebra's operations and an activation's steps.
+        ("add", ("add",), ()), ("sub", ("sub",), ()), ("mul", ("mul",), ()),
+        ("div", ("div",), ()), ("neg", ("neg",), ()), ("max", ("max",), ()),
+        ("min", ("min",), ()), ("pow", ("pow",), ()), ("integer_pow", ("integer_pow",), ("y",)),
+        ("square", ("square",), ()), ("sqrt", ("sqrt",), ()), ("rsqrt", ("rsqrt",), ()),
+        ("abs", ("abs",), ()), ("exp", ("exp",), ()), ("tanh", ("tanh",), ()),
+        ("logistic", ("logistic",), ()), ("erf", ("erf",), ()),
+        # Comparisons and selects: an activation's masks (``where``, ``y * (y > 0)``).
+        ("ge", ("ge",), ()), ("gt", ("gt",), ()), ("le", ("le",), ()), ("lt", ("lt",), ()),
+        ("select_n", ("select_n",), ()),
+        # Reductions: the statistics (a sum over the normalized axes, a contraction by ones).
+        ("reduce_sum", ("reduce_sum",), ("axes",)),
+        ("dot_general", ("dot_general",), ("dimension_numbers",)),
+        # Layout: how a value's dims map onto x's.
+        ("broadcast_in_dim", ("broadcast_in_dim",), ("broadcast_dimensions",)),
+        ("reshape", ("reshape",), ("dimensions",)), ("squeeze", ("squeeze",), ("dimensions",)),
+        ("transpose", ("transpose",), ("permutation",)),
+        # The same value: casts (``new_dtype`` read), copies and barriers.
+        ("convert_element_type", ("convert_element_type",), ("new_dtype",)),
+        ("copy", ("copy", "copy_p"), ()), ("reduce_precision", ("reduce_precision",), ()),
+        ("optimization_barrier", ("optimization_barrier",), ()),
+    )
+}
+
+
 def jaxprs_in_params(params: dict):
   """The jaxprs (open ones; a ``ClosedJaxpr``'s ``jaxpr``) an equation's ``params`` hold, as
   ``jax.extend.core.jaxprs_in_params`` gives them (which jax 0.8 lacks)."""

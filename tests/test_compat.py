@@ -1,12 +1,17 @@
-"""The jax internals the package reads, probed on the installed jax (``_compat.PRIMITIVES``).
+"""The jax internals the package reads, probed on the installed jax (``_compat.PRIMITIVES``,
+``_compat.LAX_PRIMITIVES``).
 
-For each role of the table a tiny function that uses it is traced; its jaxpr
+For each role of the tables a tiny function that uses it is traced; its jaxpr
 must hold a primitive of one of the role's names with every parameter the
 table says is read. A higher-order primitive the table lacks is left alone by
-the rewrite and named in its report.
+the rewrite and named in its report; a first-order one the rewrite's modules
+name must be in the table.
 """
 
 from __future__ import annotations
+
+import ast
+import pathlib
 
 import jax
 import jax.extend
@@ -64,8 +69,64 @@ def _equations(jaxpr):
       yield from _equations(inner)
 
 
+#: role -> a function whose jaxpr (on a (4, 8) float32) holds that first-order primitive.
+LAX_PROBES = {
+    "add": lambda x: x + 1, "sub": lambda x: x - 1, "mul": lambda x: x * x,
+    "div": lambda x: x / 3, "neg": lambda x: -x, "max": lambda x: jnp.maximum(x, 0.0),
+    "min": lambda x: jnp.minimum(x, 0.0), "pow": lambda x: jax.lax.pow(x, x),
+    "integer_pow": lambda x: x ** 3, "square": jnp.square, "sqrt": jax.lax.sqrt,
+    "rsqrt": jax.lax.rsqrt, "abs": jnp.abs, "exp": jnp.exp, "tanh": jnp.tanh,
+    "logistic": jax.nn.sigmoid, "erf": jax.lax.erf, "ge": lambda x: x >= 0,
+    "gt": lambda x: x > 0, "le": lambda x: x <= 0, "lt": lambda x: x < 0,
+    "select_n": lambda x: jnp.where(x > 0, x, 0.0),
+    "reduce_sum": lambda x: jnp.sum(x, axis=-1),
+    "dot_general": lambda x: x @ x.T,
+    "broadcast_in_dim": lambda x: jnp.broadcast_to(x[:, :1], (4, 8)),
+    "reshape": lambda x: x.reshape(32), "squeeze": lambda x: jnp.squeeze(x[None]),
+    "transpose": lambda x: x.T,
+    "convert_element_type": lambda x: x.astype(jnp.bfloat16),
+    "copy": jnp.copy, "reduce_precision": lambda x: jax.lax.reduce_precision(x, 5, 10),
+    "optimization_barrier": jax.lax.optimization_barrier,
+}
+#: The modules that read jaxprs by primitive name: the rewrite's, and explain's walk.
+READERS = sorted(pathlib.Path(_compat.__file__).parent.glob("_rewrite/*.py")) + [
+    pathlib.Path(_compat.__file__).parent / "_explain.py"]
+
+
 def test_every_role_is_probed():
   assert set(PROBES) == set(_compat.PRIMITIVES)
+  assert set(LAX_PROBES) == set(_compat.LAX_PRIMITIVES)
+
+
+def _known_names():
+  return {n for table in (_compat.PRIMITIVES, _compat.LAX_PRIMITIVES)
+          for entry in table.values() for n in entry.names}
+
+
+def test_the_rewrite_names_no_primitive_outside_the_tables():
+  """Every string of the jaxpr readers that is the name of a ``jax.lax`` primitive of this jax
+  is in one of the tables, so the probes below reach everything they read by name."""
+  lax_names = {getattr(jax.lax, a).name for a in dir(jax.lax)
+               if a.endswith("_p") and isinstance(getattr(getattr(jax.lax, a), "name", None), str)}
+  known = _known_names()
+  outside = {}
+  for path in READERS:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Constant) and node.value in lax_names - known:
+        outside.setdefault(node.value, []).append(f"{path.name}:{node.lineno}")
+  assert not outside, f"primitive names read outside _compat's tables: {outside}"
+
+
+@pytest.mark.parametrize("role", sorted(_compat.LAX_PRIMITIVES))
+def test_first_order_primitive_names_and_params_on_this_jax(role):
+  entry = _compat.LAX_PRIMITIVES[role]
+  jaxpr = jax.make_jaxpr(LAX_PROBES[role])(jnp.ones((4, 8), F32)).jaxpr
+  found = [e for e in _equations(jaxpr) if e.primitive.name in entry.names]
+  assert found, (f"{role}: none of {entry.names} in the jaxpr of its probe on jax "
+                 f"{jax.__version__}: {sorted({e.primitive.name for e in _equations(jaxpr)})}")
+  for e in found:
+    for p in entry.params:
+      assert any(n in e.params for n in p.split("|")), (role, p, sorted(e.params))
 
 
 _JAX = tuple(int(v) for v in jax.__version__.split(".")[:2])
