@@ -1,5 +1,11 @@
 # Sourced by the CI steps (.ci/*): what they share.
 
+# ci_phase NAME: the step's time so far, printed where its phase NAME ends (set-up: venvs,
+# packages, builds; the tests after it), so that each step's log says where its time went.
+ci_phase() {
+  echo "ci: $(basename "$0"): $1 done at ${SECONDS} s"
+}
+
 # requirements LIST...: pyproject.toml's requirement lists, one requirement a
 # line. LIST: "dependencies" (the project's) or the name of an extra ("test",
 # "accel-check").
@@ -21,7 +27,11 @@ PY
 #     and its abstract devices (test_gpu_target), the partitioning rules and shard_map
 #     (test_sharding), the Pallas lowerings and interpreters (test_pallas, test_mosaic_gpu,
 #     test_explain_kernels, test_tpu_interpret, test_triton_deprecation; test_add_norm,
-#     whose Pallas and Mosaic GPU classes and exports are the residual form's), the
+#     whose Pallas and Mosaic GPU classes and exports are the residual form's; the four
+#     whose cost is a matrix of interpreted kernel cases, test_pallas, test_mosaic_gpu,
+#     test_tpu_interpret and test_add_norm, by the fewest of their tests that reach every
+#     line of jax_normgrad/ they reach beyond the rest of the stage: .ci/version-tests.txt,
+#     made by .ci/select-version-tests from a coverage run), the
 #     rewrite's jaxpr reading (test_rewrite, test_rewrite_frameworks,
 #     test_rewrite_semantics, test_rewrite_fuzz) and the table of jax internals it reads,
 #     probed (test_compat);
@@ -44,12 +54,11 @@ PY
 # benchmark tools (test_benchmarks: each stage runs the smoke runs that reach jax's
 # internals itself), the vendored flax/equinox suites (test_third_party, pinned to the
 # newest releases) and the examples (test_examples: .ci/examples).
-version_stage_tests() {
+stage_tests_whole() {
   printf '%s\n' \
     tests/test_dispatch.py tests/test_gpu_target.py tests/test_sharding.py \
-    tests/test_pallas.py tests/test_mosaic_gpu.py tests/test_explain_kernels.py \
-    tests/test_tpu_interpret.py tests/test_triton_deprecation.py \
-    tests/test_add_norm.py tests/test_rewrite.py tests/test_rewrite_frameworks.py \
+    tests/test_explain_kernels.py tests/test_triton_deprecation.py \
+    tests/test_rewrite.py tests/test_rewrite_frameworks.py \
     tests/test_rewrite_semantics.py tests/test_rewrite_fuzz.py tests/test_compat.py \
     tests/test_forward.py tests/test_higher_order.py \
     tests/test_settings.py tests/test_kernels.py \
@@ -62,7 +71,6 @@ version_stage_tests() {
     tests/test_group_norm.py::TestGroupNormDefault::test_backward \
     tests/test_layer_norm_grad.py::TestLayerNormGradDefault::test_layer_norm_grad \
     tests/test_layer_norm_options.py::TestLayerNormOptionsDefault::test_save_normalized \
-    --deselect=tests/test_add_norm.py::TestAddNormXla \
     --deselect=tests/test_kernels.py::test_isa_selection \
     --deselect=tests/test_kernels.py::test_isa_builds_share_only_baseline_code \
     --deselect=tests/test_kernels.py::test_other_isa_builds_are_correct_too \
@@ -70,4 +78,10 @@ version_stage_tests() {
     --deselect=tests/test_kernels.py::test_bfloat16_vector_conversions_match_scalar \
     --deselect=tests/test_kernels.py::test_16_wide_vector_conversions_match_8_wide \
     --deselect=tests/test_kernels.py::test_avx512bf16_build_computes_the_avx2_builds_bits
+}
+
+# The version stages' arguments: the whole modules above, and the matrix modules' cases.
+version_stage_tests() {
+  stage_tests_whole
+  grep -v '^#' "$(dirname "${BASH_SOURCE[0]}")/version-tests.txt"
 }

@@ -3,7 +3,9 @@
 import importlib.util
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import hypothesis
 import numpy as np
@@ -28,6 +30,49 @@ def _prefer_installed_package() -> None:
 
 
 _prefer_installed_package()
+
+#: jax's persistent compilation cache: the directory, and the two settings that let it keep
+#: every program (jax's defaults keep only those whose compile took a second or more).
+COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
+COMPILATION_CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+#: The cache directory this process made (removed at its end), or None.
+_OWN_COMPILATION_CACHE = None
+
+
+def _share_compiled_programs() -> None:
+  """One persistent compilation cache for the session's processes: a compiled program is reused.
+
+  The suite compiles the same programs many times: each test builds its own ``jax.jit`` of a
+  function another test compiled too (the same shapes and dtypes, other values), and the
+  xdist workers and the child processes some tests start compile theirs apart. jax's
+  persistent cache keys a compiled program by its HLO, the compile options, the backend and
+  jax's version, and reads a program it has back instead of compiling it again; nothing
+  else changes (each program is traced and lowered as before, so the lowering's warnings
+  and checks still run). A directory that JAX_COMPILATION_CACHE_DIR names (.ci/run's, shared
+  by its stages) is used as it is; otherwise the session's first process makes a temporary
+  one, which its workers and children inherit, and removes it at the end. Set before jax is
+  imported, which reads these variables then.
+  """
+  global _OWN_COMPILATION_CACHE
+  if not os.environ.get(COMPILATION_CACHE):
+    _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="jax_normgrad-tests-compiled-")
+    os.environ[COMPILATION_CACHE] = _OWN_COMPILATION_CACHE
+  for name, value in COMPILATION_CACHE_SETTINGS.items():
+    os.environ.setdefault(name, value)
+  if "jax" in sys.modules:  # imported already (by a plugin): its settings are read
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_compilation_cache_dir", os.environ[COMPILATION_CACHE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+_share_compiled_programs()
+
+
+def pytest_unconfigure(config):
+  if _OWN_COMPILATION_CACHE is not None:
+    shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)
 
 # flax's and equinox's own tests, vendored: tests/test_third_party.py runs them in a
 # subprocess under patch() (they set process-wide JAX options of their own).
