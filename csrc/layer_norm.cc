@@ -137,8 +137,9 @@ void AddFwdOutput(const T* x, XOrF32<T> r, float* h, const Tp* w, const Tp* b, T
 // then FwdOutput over the stored h: the statistics and y of the plain
 // kernel on that h (bit for bit for a row of one chunk). Rounding the sum
 // in registers instead (pack and widen, in the moments pass and again in
-// the output pass) measured 1.5-2x slower for bfloat16 (BENCHMARKS-history.md,
-// 2026-12-01). Prefetches the next row's x and residual in the sums.
+// the output pass) measured 1.9-2.0x slower for bfloat16 (float16 1.01x;
+// BENCHMARKS-history.md, 2026-12-01). Prefetches the next row's x and
+// residual in the sums.
 template <typename T, typename Tp>
 void AddLayerNormFwdStoredRows(const T* x, XOrF32<T> r, T* h, const Tp* w, const Tp* b, T* y,
                                float* mean_out, float* rstd_out, int64_t row_begin,
