@@ -173,8 +173,8 @@ class AddNormTests:
     same order (the CPU kernel for rows of one moments chunk; the reference; the interpreted
     kernels); an accelerator's kernels plan the residual form's tiles apart from the plain
     form's. Rows of 2 to 4 far from zero (``shift``, small ``spread``: dx a near-total
-    cancellation) are where statistics of the unrounded sum beside the stored h broke the
-    gradients."""
+    cancellation) are where the unrounded sum's statistics beside the stored h would break
+    the gradients."""
     self._narrow_stored(case)
     centered, shape, shift, spread = STORED_H_CASES[case]
     x = jnp.asarray(rng.normal(size=shape) * spread + shift, BF16)
