@@ -2,6 +2,7 @@
 
     python benchmarks/ab_builds.py OTHER.so                      # the default rows
     python benchmarks/ab_builds.py OTHER.so --rows layer_norm:2048x512:fwd,group_norm:8x32x32x64:bwd
+    python benchmarks/ab_builds.py OTHER.so --rows add_layer_norm:2048x512:fwd:bfloat16:float32
 
 OTHER.so is another build of ``jax_normgrad/_jax_normgrad*.so`` (the old one:
 copy the installed file aside before rebuilding). On this project's shared
@@ -86,34 +87,49 @@ def compiled_pair(fn, args):
   return out
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def row(spec: str):
-  """``(fn, args)`` of a row ``op:shape:pass`` (pass: fwd, bwd or grad), float32."""
-  op, shape, kind = spec.split(":")
+  """``(fn, args)`` of a row ``op:shape:pass[:dtype[:residual dtype]]`` (pass: fwd, bwd or
+  grad; x's dtype, default float32; the add ops' residual and h dtype, default x's: an
+  argument, ``0.5 * x``); the parameters are float32."""
+  parts = spec.split(":")
+  op, shape, kind = (parts + ["", "", ""])[:3]
+  dtype = parts[3] if len(parts) > 3 else "float32"
+  res_dtype = parts[4] if len(parts) > 4 else dtype
+  norms = {
+      "layer_norm": lambda x, r, w, b: jng.layer_norm(x, w, b),
+      "rms_norm": lambda x, r, w, b: jng.rms_norm(x, w),
+      "add_layer_norm": lambda x, r, w, b: jng.add_layer_norm(x, r, w, b,
+                                                              residual_dtype=r.dtype)[0],
+      "add_rms_norm": lambda x, r, w, b: jng.add_rms_norm(x, r, w, residual_dtype=r.dtype)[0],
+      "group_norm": lambda x, r, w, b: jng.group_norm(x, 32, w, b, channel_axis=-1),
+  }
+  if (op not in norms or kind not in ("fwd", "bwd", "grad") or len(parts) > 5
+      or dtype not in DTYPES or res_dtype not in (dtype, "float32")
+      or (res_dtype != dtype and not op.startswith("add_"))):
+    raise ValueError(f"row {spec!r}: expected OP:SHAPE:PASS[:DTYPE[:RESIDUAL_DTYPE]], OP one of "
+                     f"{sorted(norms)}, PASS fwd, bwd or grad, DTYPE one of {DTYPES}, "
+                     "RESIDUAL_DTYPE (add ops) x's or float32")
   dims = tuple(int(d) for d in shape.split("x"))
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal(dims), jnp.float32)
-  ct = jnp.asarray(rng.standard_normal(dims), jnp.float32)
+  x = jnp.asarray(rng.standard_normal(dims), dtype)
+  r = (0.5 * x.astype(jnp.float32)).astype(res_dtype)
+  ct = jnp.asarray(rng.standard_normal(dims), dtype)
   c = dims[-1]
   w = jnp.asarray(1 + 0.1 * rng.standard_normal(c), jnp.float32)
   b = jnp.asarray(0.1 * rng.standard_normal(c), jnp.float32)
-  norms = {
-      "layer_norm": lambda x, w, b: jng.layer_norm(x, w, b),
-      "rms_norm": lambda x, w, b: jng.rms_norm(x, w),
-      "add_layer_norm": lambda x, w, b: jng.add_layer_norm(x, 0.5 * x, w, b)[0],
-      "add_rms_norm": lambda x, w, b: jng.add_rms_norm(x, 0.5 * x, w)[0],
-      "group_norm": lambda x, w, b: jng.group_norm(x, 32, w, b, channel_axis=-1),
-  }
-  if op not in norms or kind not in ("fwd", "bwd", "grad"):
-    raise ValueError(f"row {spec!r}: expected OP:SHAPE:PASS, OP one of {sorted(norms)}, "
-                     "PASS fwd, bwd or grad")
   norm = norms[op]
   if kind == "fwd":
-    fn = lambda x, w, b, ct: norm(x, w, b)
+    fn = lambda x, r, w, b, ct: norm(x, r, w, b)
   elif kind == "bwd":
-    fn = lambda x, w, b, ct: jax.vjp(norm, x, w, b)[1](ct)
+    fn = lambda x, r, w, b, ct: jax.vjp(lambda x, w, b: norm(x, r, w, b), x, w, b)[1](ct)
   else:
-    fn = lambda x, w, b, ct: jax.grad(lambda *a: jnp.vdot(norm(*a), ct), argnums=(0, 1, 2))(x, w, b)
-  return fn, (x, w, b, ct)
+    fn = lambda x, r, w, b, ct: jax.grad(
+        lambda x, w, b: jnp.vdot(norm(x, r, w, b).astype(jnp.float32), ct.astype(jnp.float32)),
+        argnums=(0, 1, 2))(x, w, b)
+  return fn, (x, r, w, b, ct)
 
 
 def measure(spec: str, rounds: int, iters: int) -> dict:
@@ -144,7 +160,7 @@ def main(argv=None):
     jng.keep_freed_memory()
   load_other(a.other)
   print(f"installed {_ffi._ext.__file__} against {a.other}; jax {jax.__version__}, "  # noqa: SLF001
-        f"{a.rounds} rounds of {a.iters} calls, float32, ms")
+        f"{a.rounds} rounds of {a.iters} calls, ms")
   for spec in a.rows.split(","):
     m = measure(spec, a.rounds, a.iters)
     print(f"{spec}: installed {m['installed_ms']:.4f} other {m['other_ms']:.4f}  installed/other "

@@ -18,7 +18,8 @@
 // from xhat instead of x (normalized): the AscendC / InfiniOp forms of the
 // backward run on these same kernels.
 // The residual form (add_layer_norm / add_rms_norm) too: the forward reads x
-// and a residual and writes h = x + residual besides y (has_residual), and
+// and a residual and writes h = x + residual besides y (has_residual),
+// normalizing h as it stores it (the float32 sum rounded to h's dtype), and
 // the backward, whose x is then h, adds h's incoming cotangent dh into dx
 // in its output pass (has_dh).
 // This file: the forward. layer_norm_bwd.cc: the backward. layer_norm.h:
@@ -113,13 +114,12 @@ void LayerNormFwdRows(const T* x, const Tp* w, const Tp* b, Y y, T* xhat_out,
   }
 }
 
-// The residual form's output pass: v = x + residual in float32, h = v
-// rounded once, y = (v - mu) * rs * w + b (FwdOutput's arithmetic on the
-// unrounded sum). Prefetches the lines `ahead` elements on in x and the
-// residual (0: none).
+// The residual form's output pass with a float32 h: v = x + residual in
+// float32, h = v, y = (v - mu) * rs * w + b (FwdOutput's arithmetic).
+// Prefetches the lines `ahead` elements on in x and the residual (0: none).
 template <typename T, typename Tp>
-void AddFwdOutput(const T* x, XOrF32<T> r, XOrF32<T> h, const Tp* w, const Tp* b, T* y,
-                  int64_t n, float mu, float rs, int64_t ahead, bool stream_y) {
+void AddFwdOutput(const T* x, XOrF32<T> r, float* h, const Tp* w, const Tp* b, T* y, int64_t n,
+                  float mu, float rs, int64_t ahead, bool stream_y) {
   const bool stream = StreamRow(stream_y, y);
   ForRowWide(y, n, [&](auto tag, int64_t j) {
     if (ahead) PrefetchLine(tag, x + ahead + j), PrefetchLine(tag, r + ahead + j);
@@ -130,20 +130,70 @@ void AddFwdOutput(const T* x, XOrF32<T> r, XOrF32<T> h, const Tp* w, const Tp* b
   });
 }
 
-// The residual form's forward of rows [row_begin, row_end), as flash-attn's:
-// the statistics of the float32 sum x + residual by kMomentsChunk chunks
-// (RowMomentsOf the sum, added as it is read: one pass over x and the
+// The residual form's forward of rows [row_begin, row_end) with a 16-bit h
+// (x's dtype T): h is normalized as it is stored. By kMomentsChunk chunks,
+// h = x + residual summed in float32 and stored, rounded once, then the
+// chunk's moments read back from it (RowMoments, from L1), merged in order;
+// then FwdOutput over the stored h: the statistics and y of the plain
+// kernel on that h (bit for bit for a row of one chunk). Rounding the sum
+// in registers instead (pack and widen, in the moments pass and again in
+// the output pass) measured 1.9-2.0x slower for bfloat16 (float16 1.01x;
+// BENCHMARKS-history.md, 2026-12-01). Prefetches the next row's x and
+// residual in the sums.
+template <typename T, typename Tp>
+void AddLayerNormFwdStoredRows(const T* x, XOrF32<T> r, T* h, const Tp* w, const Tp* b, T* y,
+                               float* mean_out, float* rstd_out, int64_t row_begin,
+                               int64_t row_end, int64_t H, float eps, bool centered,
+                               bool stream_y) {
+  const float inv_h = 1.0f / static_cast<float>(H);
+  const bool prefetch_rows = PrefetchNextRow<float>(H);
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    const int64_t ahead = prefetch_rows && i + 1 < row_end ? H : 0;
+    RunningMoments m;
+    for (int64_t c0 = 0; c0 < H; c0 += kMomentsChunk) {
+      const int64_t len = H - c0 < kMomentsChunk ? H - c0 : kMomentsChunk;
+      const T* xc = x + i * H + c0;
+      const XOrF32<T> rc = r + (i * H + c0);
+      T* hc = h + i * H + c0;
+      ForRowWide(hc, len, [&](auto tag, int64_t j) {
+        if (ahead) PrefetchLine(tag, xc + ahead + j), PrefetchLine(tag, rc + ahead + j);
+        St(tag, hc + j, Ld(tag, xc + j) + Ld(tag, rc + j));
+      });
+      float mu, q;
+      RowMoments(hc, len, centered, &mu, &q);
+      m.Merge(len, mu, q);
+    }
+    // m2 * inv_h, as LayerNormFwdRows's (the float32 h's form divides).
+    const float rs = 1.0f / std::sqrt(m.m2 * inv_h + eps);
+    if (mean_out) mean_out[i] = m.mean;
+    rstd_out[i] = rs;
+    FwdOutput<false>(h + i * H, w, b, y + i * H, static_cast<T*>(nullptr), H, m.mean, rs, 0,
+                     stream_y);
+  }
+}
+
+// The residual form's forward of rows [row_begin, row_end): a 16-bit h
+// takes AddLayerNormFwdStoredRows; a float32 h (no rounding: the float32
+// sum is what is stored), the statistics of x + residual by kMomentsChunk
+// chunks (RowMomentsOf the sum, added as it is read: one pass over x and the
 // residual, any second pass from L1), merged in order, then one output
 // pass that sums again (the row is in cache: the next-row prefetch for
-// short rows, L2 for long ones) and writes h and y. h is written once, in
-// the pass that writes y, and never read back. (The sum used to go to an
-// L1 buffer first, the moments read from there: the same harness as
-// moments.h's, 64 rows of 512 float32 in L2, 9.0-10.4 -> 6.8 us with the
-// mean, 7.3 -> 6.0 us without.)
+// short rows, L2 for long ones) and writes h and y. This h is written once,
+// in the pass that writes y, and never read back: summing into an L1 buffer
+// first and reading the moments from there measured slower (the same
+// harness as moments.h's, 64 rows of 512 float32 in L2: 9.0-10.4 against
+// 6.8 us with the mean, 7.3 against 6.0 without).
 template <typename T, typename Tp>
 void AddLayerNormFwdRows(const T* x, XOrF32<T> r, XOrF32<T> h, const Tp* w, const Tp* b, T* y,
                          float* mean_out, float* rstd_out, int64_t row_begin, int64_t row_end,
                          int64_t H, float eps, bool centered, bool stream_y) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (!h.f32()) {
+      return AddLayerNormFwdStoredRows(x, r, h.as_x(), w, b, y, mean_out, rstd_out, row_begin,
+                                       row_end, H, eps, centered, stream_y);
+    }
+  }
+  float* hf = h.as_f32();
   const bool prefetch_rows = PrefetchNextRow<float>(H);
   for (int64_t i = row_begin; i < row_end; ++i) {
     RunningMoments m;
@@ -160,7 +210,7 @@ void AddLayerNormFwdRows(const T* x, XOrF32<T> r, XOrF32<T> h, const Tp* w, cons
     const float rs = 1.0f / std::sqrt(m.m2 / static_cast<float>(H) + eps);
     if (mean_out) mean_out[i] = m.mean;
     rstd_out[i] = rs;
-    AddFwdOutput(x + i * H, r + i * H, h + i * H, w, b, y + i * H, H, m.mean, rs,
+    AddFwdOutput(x + i * H, r + i * H, hf + i * H, w, b, y + i * H, H, m.mean, rs,
                  prefetch_rows && i + 1 < row_end ? H : 0, stream_y);
   }
 }

@@ -301,8 +301,8 @@ ADD_NORM_INTRO = """
 
   A pre-norm block's residual add and norm in one kernel pass each way
   (:func:`jax_normgrad.{fn}`): ``y, h = layer(x, residual)`` with ``h = x +
-  residual`` summed in float32 (stored in ``residual_dtype``, None: x's
-  dtype) and ``y`` the norm of that sum, in x's dtype. ``h`` is the next
+  residual`` summed in float32 and stored in ``residual_dtype`` (None: x's
+  dtype), and ``y`` the norm of h as stored, in x's dtype. ``h`` is the next
   block's residual::
 """
 
@@ -312,11 +312,11 @@ def add_norm(layer, x, residual, weight, bias, *, begin: int, eps: float, center
   """The residual-form drop-ins' ``(y, h)``: one fused kernel call, or the add before ``plain``.
 
   ``reason`` None: :func:`jax_normgrad.add_layer_norm` / ``add_rms_norm``
-  over ``x.shape[begin:]`` (y in x's dtype, from the unrounded float32
-  sum). Otherwise a one-time ``FallbackWarning`` names it, ``h = x +
-  residual`` is summed in float32 and rounded to ``residual_dtype`` (None:
-  x's dtype) by XLA, and ``plain(h)`` (the plain drop-in, itself on the
-  kernels where they apply) normalizes the rounded h.
+  over ``x.shape[begin:]`` (y in x's dtype). Otherwise a one-time
+  ``FallbackWarning`` names it, ``h = x + residual`` is summed in float32
+  and rounded to ``residual_dtype`` (None: x's dtype) by XLA, and
+  ``plain(h)`` (the plain drop-in, itself on the kernels where they apply)
+  normalizes that h, as the fused kernels do.
   """
   if reason is None:
     kw = dict(normalized_shape=x.shape[begin:], eps=eps, residual_dtype=residual_dtype,
@@ -326,7 +326,7 @@ def add_norm(layer, x, residual, weight, bias, *, begin: int, eps: float, center
     return jn.add_rms_norm(x, residual, weight, **kw)
   warn_once(
       f"{layer}: {reason} is not covered by the fused residual kernels; the residual add runs "
-      "before the plain layer instead (an extra pass; y from the rounded sum).")
+      "before the plain layer instead (an extra pass).")
   h = (jnp.asarray(x).astype(F32) + jnp.asarray(residual).astype(F32)).astype(
       residual_dtype or jnp.asarray(x).dtype)
   return plain(h), h

@@ -46,15 +46,18 @@ def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, wr
   """Returns ``[y, mean, rstd]`` (``[y, rstd]`` when not centered), then ``xhat`` if ``write_xhat``, then ``h``.
 
   y is rounded once to ``y_dtype`` (None: x's dtype); xhat is in x's dtype.
-  With a ``residual`` the input is ``h = x + residual`` summed in float32:
-  the statistics and y come from that unrounded sum, and ``h`` is also
-  returned, rounded once to ``h_dtype`` (None: x's dtype).
+  With a ``residual`` the input is ``h = x + residual`` as it is stored:
+  summed in float32 and rounded once to ``h_dtype`` (None: x's dtype), the
+  statistics and y from that h (docs/spec.md, the residual form), which is
+  also returned.
   """
   m, h = x.shape
   weight, bias = float32_or_none(weight), float32_or_none(bias)
   x32 = x.astype(F32)
+  h_out = None
   if residual is not None:
-    x32 = x32 + residual.astype(F32)
+    h_out = (x32 + residual.astype(F32)).astype(h_dtype or x.dtype)
+    x32 = h_out.astype(F32)
   if centered:
     mean = jnp.mean(x32, axis=1)
     xc = x32 - mean[:, None]
@@ -69,8 +72,7 @@ def layer_norm_fwd(x, weight=None, bias=None, *, eps, centered, param_groups, wr
   if bias is not None:
     y = y + bias[:, None, :]
   y = y.reshape(m, h).astype(y_dtype or x.dtype)
-  outs = NormFwdOut(y, mean, rstd, xhat.astype(x.dtype) if write_xhat else None,
-                    None if residual is None else x32.astype(h_dtype or x.dtype))
+  outs = NormFwdOut(y, mean, rstd, xhat.astype(x.dtype) if write_xhat else None, h_out)
   _, operands = _operands.pack(_operands.NormFwd(x, residual, weight, bias))
   return _outputs.pack(outs, _outputs.norm_fwd_names(operands=operands, centered=centered,
                                                      write_xhat=write_xhat))

@@ -9,6 +9,14 @@ def f64(a):
   return None if a is None else np.asarray(a, dtype=np.float64)
 
 
+def stored_sum(x, residual, dtype):
+  """The residual form's h as it is stored and normalized (docs/spec.md#the-residual-form):
+  ``x + residual`` summed in float32 (exactly rounded, as the kernels' float32 add) and
+  rounded once to ``dtype``, returned as float64."""
+  h = np.asarray(x).astype(np.float32) + np.asarray(residual).astype(np.float32)
+  return h.astype(dtype).astype(np.float64)
+
+
 def ln_stats(x, norm_ndim, eps, centered=True):
   x = f64(x)
   axes = tuple(range(x.ndim - norm_ndim, x.ndim))

@@ -33,8 +33,20 @@ CASES = [
     ((9, 2), (2,), "wb", F16, F32, F32),
     ((0, 64), (64,), "wb", F32, None, None),
     ((2, 3000), (3000,), "w", BF16, None, None),  # more than one moments chunk
+    ((5, 33), (33,), "wb", F16, None, None),  # a float16 h, an odd width
+    ((2, 4097), (4097,), "wb", F16, F32, None),  # two whole moments chunks and one element
 ]
 EPS = 1e-5
+# test_normalizes_h_as_stored: (centered, bfloat16 x shape, x's mean, x's spread); the
+# residual's spread is 0.5.
+STORED_H_CASES = [
+    (True, (6, 40), 0.5, 2.0),
+    (False, (6, 40), 0.5, 2.0),
+    (True, (5, 2), 4.0, 0.01),  # short rows far from zero
+    (True, (5, 3), 4.0, 0.01),
+    (True, (5, 4), 4.0, 0.01),
+]
+SHORT_SHIFTED_ROWS = 3  # the interpreted kernels' case of short rows far from zero
 
 
 def _inputs(rng, shape, norm_shape, params, dtype, res_dtype):
@@ -50,15 +62,15 @@ def _f64(a):
 
 
 def _ref_forward(x, r, w, b, norm_ndim, centered, h_dtype, eps):
-  """y, h (rounded to h_dtype, float64) and the statistics of the exact sum."""
-  h64 = _f64(x) + _f64(r)
+  """y, h as stored (the float32 sum rounded to h_dtype, float64) and the statistics, all of
+  that h (docs/spec.md, the residual form)."""
+  h = ref.stored_sum(x, r, h_dtype)
   if centered:
-    y, mean, rstd = ref.ln_fwd(h64, norm_ndim, _f64(w), _f64(b), eps)
+    y, mean, rstd = ref.ln_fwd(h, norm_ndim, _f64(w), _f64(b), eps)
   else:
-    y, rstd = ref.rms_fwd(h64, norm_ndim, _f64(w), eps)
+    y, rstd = ref.rms_fwd(h, norm_ndim, _f64(w), eps)
     mean = np.zeros_like(rstd)
-  h_stored = _f64(jnp.asarray(h64.astype(np.float32)).astype(h_dtype))
-  return y, h64, h_stored, mean, rstd
+  return y, h, mean, rstd
 
 
 def _call(centered, x, r, w, b, **kw):
@@ -84,10 +96,13 @@ class AddNormTests:
   def _narrow(self, case, centered):
     """Skips the (case, centered) pairs a slow (interpreted) subclass leaves to another."""
 
+  def _narrow_stored(self, case):
+    """Skips the STORED_H_CASES a slow (interpreted) subclass leaves out."""
+
   @pytest.mark.parametrize("centered", [True, False])
   @pytest.mark.parametrize("case", range(len(CASES)))
   def test_forward_and_gradients(self, rng, centered, case):
-    """y and h of the exact float32 sum; one gradient for x and residual, plus dh; parameter gradients."""
+    """y and h of h as stored; one gradient for x and residual, plus dh; parameter gradients."""
     self._narrow(case, centered)
     shape, norm_shape, params, dtype, res_dtype, h_dtype = CASES[case]
     if not centered:
@@ -103,16 +118,16 @@ class AddNormTests:
                    residual_dtype=h_dtype, implementation=impl)
 
     (y, h), vjp = self._run(lambda: jax.vjp(jax.jit(f), x, r, w, b))
-    y_ref, h64, h_ref, mean, rstd = _ref_forward(x, r, w, b, nd, centered, hd, eps)
+    y_ref, h_ref, mean, rstd = _ref_forward(x, r, w, b, nd, centered, hd, eps)
     width = math.prod(norm_shape)
     rows = math.prod(shape) // width
     assert y.dtype == dtype and h.dtype == hd and h.shape == y.shape == shape
     assert_close(y, y_ref, dtype, width, "y")
-    assert_close(h, h64, hd, 1, "h")
+    np.testing.assert_array_equal(_f64(h), h_ref, err_msg="h")
     dy = random(rng, shape, dtype)
     dh = random(rng, shape, hd, scale=0.5)
     gx, gr, gw, gb = self._run(lambda: vjp((dy, dh)))
-    # The backward's xhat is the stored h's (see add_layer_norm's docstring).
+    # The backward's xhat is the stored h's, with its statistics.
     dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, h_ref, nd, mean if centered else np.zeros_like(rstd),
                                         rstd, _f64(w))
     if not centered:  # RMSNorm: no mean(g) term
@@ -132,11 +147,11 @@ class AddNormTests:
       assert gb.dtype == b.dtype
       assert_close(gb, db_ref, dtype, rows, "grad bias")
 
-  def test_y_from_unrounded_sum(self):
-    """y normalizes the float32 sum, not h rounded to bfloat16.
+  def test_y_from_stored_h(self):
+    """y normalizes h rounded to bfloat16, as stored, not the float32 sum.
 
     Row [1, 1 + 2^-7, 1 + 3 * 2^-9]: the third sum rounds to 1 + 2^-7 in
-    bfloat16, which would change the LayerNorm output by O(1). (RMSNorm's
+    bfloat16, which changes the LayerNorm output by O(1). (RMSNorm's
     output moves by an ulp only; its kernels share the code path.)
     """
     x = jnp.asarray([[1.0, 1.0 + 2 ** -7, 1.0]], BF16)
@@ -144,9 +159,68 @@ class AddNormTests:
     y, h = self._run(lambda: jn.add_layer_norm(x, r, eps=0.0, implementation=self.implementation))
     exact = _f64(x) + _f64(r)
     fwd = lambda a: ref.ln_fwd(a, 1, eps=0.0)[0]
-    np.testing.assert_allclose(_f64(y), fwd(exact), rtol=2 ** -8, atol=1e-6)
     assert _f64(h)[0, 2] == 1.0 + 2 ** -7
+    np.testing.assert_allclose(_f64(y), fwd(_f64(h)), rtol=2 ** -8, atol=1e-6)
     assert not np.allclose(fwd(_f64(h)), fwd(exact), atol=0.05)
+
+  @pytest.mark.parametrize("case", range(len(STORED_H_CASES)))
+  def test_normalizes_h_as_stored(self, rng, case):
+    """bfloat16 x and residual: ``add_layer_norm(x, r)`` (``add_rms_norm``) is
+    ``(layer_norm(h), h)`` with ``h = x + r`` the bfloat16 jnp sum, and its gradients are
+    those of that unfused pair: with y's cotangent alone, the plain norm's backward at h;
+    with h's added too, both the float64 derivative's at h to the dtype's rounding. Bit for
+    bit on CPU, where both forms compute the statistics and y by the same operations in the
+    same order (the CPU kernel for rows of one moments chunk; the reference; the interpreted
+    kernels); an accelerator's kernels plan the residual form's tiles apart from the plain
+    form's. Rows of 2 to 4 far from zero (``shift``, small ``spread``: dx a near-total
+    cancellation) are where the unrounded sum's statistics beside the stored h would break
+    the gradients."""
+    self._narrow_stored(case)
+    centered, shape, shift, spread = STORED_H_CASES[case]
+    x = jnp.asarray(rng.normal(size=shape) * spread + shift, BF16)
+    r = jnp.asarray(rng.normal(size=shape) * 0.5, BF16)
+    w = random(rng, shape[-1:], BF16, offset=1.0)
+    b = random(rng, shape[-1:], BF16) if centered else None
+    dy, dh = random(rng, shape, BF16), random(rng, shape, BF16, scale=0.5)
+    width = shape[-1]
+    impl = self.implementation
+    h = x + r  # the bfloat16 sum, as the unfused code stores it
+    if centered:
+      plain = lambda h, w, b: jn.layer_norm(h, w, b, implementation=impl)
+    else:
+      plain = lambda h, w, b: jn.rms_norm(h, w, implementation=impl)
+    (y, hf), vjp = self._run(lambda: jax.vjp(jax.jit(
+        lambda *a: _call(centered, *a, implementation=impl)), x, r, w, b))
+    y_plain, plain_vjp = self._run(lambda: jax.vjp(jax.jit(plain), h, w, b))
+    grads = self._run(lambda: vjp((dy, jnp.zeros_like(h))))
+    plain_grads = self._run(lambda: plain_vjp(dy))
+    np.testing.assert_array_equal(_f64(hf), _f64(h), err_msg="h")
+    # (dx, dresidual, dweight[, dbias]) against the plain norm's (dh, dweight[, dbias]).
+    pairs = [("y", y, y_plain), ("grad x", grads[0], plain_grads[0]),
+             ("grad residual", grads[1], plain_grads[0]), ("grad weight", grads[2], plain_grads[1])]
+    if centered:
+      pairs.append(("grad bias", grads[3], plain_grads[2]))
+    _, mean, rstd = (ref.ln_fwd(_f64(h), 1, eps=EPS) if centered else
+                     (None, None, ref.rms_fwd(_f64(h), 1, eps=1e-6)[1]))
+    scale = ref.dx_scale(dy, rstd, _f64(w))
+    for name, got, want in pairs:
+      assert got.dtype == want.dtype, name
+      if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(_f64(got), _f64(want), err_msg=name)
+      else:
+        reduced = shape[0] if name in ("grad weight", "grad bias") else width
+        assert_close(got, _f64(want), BF16, reduced, name,
+                     scale=scale if name in ("grad x", "grad residual") else None)
+    # With h's cotangent: the one gradient of x and residual, dx(h) + dh, against the float64
+    # derivative at the stored h with its statistics.
+    gx, gr = self._run(lambda: vjp((dy, dh)))[:2]
+    if centered:
+      dx_ref = ref.ln_bwd(dy, _f64(h), 1, mean, rstd, _f64(w))[0]
+    else:
+      dx_ref = ref.rms_bwd(dy, _f64(h), 1, rstd, _f64(w))[0]
+    scale += float(np.max(np.abs(_f64(dh))))
+    for name, got in (("grad x with dh", gx), ("grad residual with dh", gr)):
+      assert_close(got, dx_ref + _f64(dh), BF16, width, name, scale=scale)
 
   def test_vmap_batched_residual_and_weights(self, rng):
     """vmap over x, a batched residual and per-example weight and bias, forward and gradients:
@@ -271,8 +345,9 @@ class TestAddNormDefault(AddNormTests):
     for a, c in zip(first, second):
       np.testing.assert_array_equal(np.asarray(a.astype(F32)), np.asarray(c.astype(F32)))
     y, h = jn.add_layer_norm(x, r, w, b, residual_dtype=h_dtype)
-    y_ref, h64, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, h_dtype or dtype, EPS)
+    y_ref, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, h_dtype or dtype, EPS)
     assert_close(y, y_ref, dtype, 70_000, "y")
+    np.testing.assert_array_equal(_f64(h), h_ref)
     dx_ref, dw_ref, _ = ref.ln_bwd(dy, h_ref, 1, mean, rstd, _f64(w))
     assert_close(first[0], dx_ref + 1.0, dtype, 70_000, "grad x",
                  scale=ref.dx_scale(dy, rstd, _f64(w)))
@@ -311,6 +386,11 @@ class PallasAddNormTests(AddNormTests):
       pytest.skip(f"interpreted {self.backend} kernels: half of the cases, the other kernel set "
                   "runs the rest")
 
+  def _narrow_stored(self, case):
+    if case not in (self.half, SHORT_SHIFTED_ROWS):
+      pytest.skip(f"interpreted {self.backend} kernels: the short shifted rows and the generic "
+                  f"{'RMSNorm' if self.half else 'LayerNorm'} case")
+
   def test_the_fused_kernels_run(self, rng, monkeypatch):
     """The forward kernel reads the residual and writes h; the backward kernel adds dh (no
     XLA adds around an unchanged kernel), with chunked segments too (tiny tiles). The
@@ -338,7 +418,7 @@ class PallasAddNormTests(AddNormTests):
     assert ("_bwd_kernel", True) in seen and all(flag for _, flag in seen), seen
     assert seen_dx_dy == [True], seen_dx_dy
     assert any(n in ("_fwd_kernel", "_normalize_kernel") for n, _ in seen), seen
-    y_ref, _, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, F32, EPS)
+    y_ref, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, F32, EPS)
     assert_close(y, y_ref, BF16, 300, "y")
     np.testing.assert_array_equal(_f64(h), h_ref)
     dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, h_ref, 1, mean, rstd, _f64(w))
@@ -563,6 +643,10 @@ class TestAddNormMosaicGpu(AddNormTests):
     if (case % 2 == 0) != centered:
       pytest.skip("interpreted Mosaic GPU: each case once (even cases LayerNorm, odd RMSNorm)")
 
+  def _narrow_stored(self, case):
+    if case not in (1, SHORT_SHIFTED_ROWS):
+      pytest.skip("interpreted Mosaic GPU: the short shifted rows and the generic RMSNorm case")
+
   @pytest.mark.parametrize("mask", [m for m in MASKS if m[0]])
   def test_backward_output_masks(self, rng, mask):
     """Every output mask with dx, dh added to it; 37 columns (padded to 128), bfloat16 h."""
@@ -630,9 +714,9 @@ class TestAddNormMosaicGpu(AddNormTests):
     assert ("fwd_kernel", True, True) in seen and ("bwd_kernel", True, True) in seen, seen
     _bitwise_equal(first, second)
     y, h, gx, gr, gw, gb = first
-    y_ref, h64, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, centered, hd, eps)
+    y_ref, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, centered, hd, eps)
     assert_close(y, y_ref, dtype, 1000, "y")
-    assert_close(h, h64, hd, 1, "h")
+    np.testing.assert_array_equal(_f64(h), h_ref)
     if centered:
       dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, h_ref, 1, mean, rstd, _f64(w))
     else:
@@ -660,7 +744,7 @@ class TestAddNormMosaicGpu(AddNormTests):
     second = self._run(lambda: jax.jit(run)(x, r, w, b))
     assert set(seen) == {("fwd_kernel", True, False), ("bwd_kernel", True, False)}, seen
     _bitwise_equal(first, second)
-    y_ref, _, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, F32, EPS)
+    y_ref, h_ref, mean, rstd = _ref_forward(x, r, w, b, 1, True, F32, EPS)
     assert_close(first[0], y_ref, BF16, 300, "y")
     np.testing.assert_array_equal(_f64(first[1]), h_ref)
     dx_ref, _, _ = ref.ln_bwd(dy, h_ref, 1, mean, rstd, _f64(w))

@@ -675,7 +675,8 @@ def test_ab_builds_times_a_second_copy_of_the_kernels():
   from jax_normgrad import _ffi
   script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab_builds.py"
   env = dict(os.environ, JAX_PLATFORMS="cpu")  # the CPU kernels, also on an accelerator machine
-  rows = "layer_norm:6x37:fwd,add_rms_norm:5x16:bwd,group_norm:2x3x3x32:grad"
+  rows = ("layer_norm:6x37:fwd,add_rms_norm:5x16:bwd,group_norm:2x3x3x32:grad,"
+          "add_layer_norm:4x40:fwd:bfloat16:float32")
   out = subprocess.run([sys.executable, str(script), _ffi._ext.__file__, "--rows", rows,
                         "--rounds", "2", "--iters", "2"], check=True, capture_output=True,
                        text=True, env=env).stdout
@@ -685,6 +686,10 @@ def test_ab_builds_times_a_second_copy_of_the_kernels():
   bad = subprocess.run([sys.executable, str(script), _ffi._ext.__file__, "--rows", "nope:2x3:fwd"],
                        capture_output=True, text=True, env=env)
   assert bad.returncode != 0 and "expected OP:SHAPE:PASS" in bad.stderr
+  bad = subprocess.run([sys.executable, str(script), _ffi._ext.__file__, "--rows",
+                        "layer_norm:2x3:fwd:bfloat16:float32"], capture_output=True, text=True,
+                       env=env)
+  assert bad.returncode != 0 and "RESIDUAL_DTYPE (add ops)" in bad.stderr
 
 
 # ----------------------------------------------------------------------------

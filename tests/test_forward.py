@@ -127,18 +127,17 @@ def test_residual_forms(rng, forward, centered, dtype, residual_dtype):
                                            forward=forward)
   (y, h), pullback = jax.vjp(f, x, r, w, b)
   dx, dr, dw, _ = pullback((dy, dh))
-  h64 = ref.f64(x) + ref.f64(r)
-  hdtype = residual_dtype or dtype
-  assert_close(h, h64, hdtype, 1, "h")
-  # The backward works from the stored h (rounded to its dtype) with the forward's statistics.
-  hk = ref.f64(jnp.asarray(h64, F32).astype(hdtype))
+  # h as stored (the float32 sum rounded to its dtype): the forward's statistics and y are
+  # its, and the backward works from it.
+  hk = ref.stored_sum(x, r, residual_dtype or dtype)
+  np.testing.assert_array_equal(ref.f64(h.astype(F32)), hk)
   if centered:
-    y64, mean, rstd = ref.ln_fwd(h64, 1, w, b)
+    y64, mean, rstd = ref.ln_fwd(hk, 1, w, b)
     dg64, dw64, _ = ref.ln_bwd(dy, hk, 1, mean, rstd, w)
   else:
-    y64, rstd = ref.rms_fwd(h64, 1, w)
+    y64, rstd = ref.rms_fwd(hk, 1, w)
     dg64, dw64 = ref.rms_bwd(dy, hk, 1, rstd, w)
-  assert_close(y, y64, dtype, 96, "y", scale=ref.fwd_scales(h64, rstd, w)[0])
+  assert_close(y, y64, dtype, 96, "y", scale=ref.fwd_scales(hk, rstd, w)[0])
   scale = ref.dx_scale(dy, rstd, w) + float(np.abs(ref.f64(dh)).max())
   assert_close(dx, dg64 + ref.f64(dh), dtype, 96, "dx", scale=scale)
   assert_close(dr, dg64 + ref.f64(dh), residual_dtype or dtype, 96, "dresidual", scale=scale)

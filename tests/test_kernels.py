@@ -530,7 +530,17 @@ def test_16_wide_vector_conversions_match_8_wide():
 # that are odd multiples of 8 put every other row's output off a 16-vector
 # boundary (the avx512bf16 build's elementwise loops then start with one
 # 8-wide vector); the others leave 8-wide and scalar tails; 2 x 40000 runs
-# LayerNorm by column chunks; 64 x 520 bfloat16 widens the parameters.
+# LayerNorm by column chunks; 64 x 520 bfloat16 widens the parameters. The
+# residual form (x's rows rolled for the residual; y + h, so both count):
+# a 16-bit h (stored, then normalized), rows of 3000 over two moments
+# chunks, and a float32 h.
+def _add_norm(fn, residual_dtype=None):
+  def f(x, w, b):
+    y, h = fn(x, jnp.roll(x, 1, axis=0), w, b, residual_dtype=residual_dtype)
+    return y + h.astype(y.dtype)
+  return f
+
+
 _BUILD_CASES = [
     *((f"layer_norm {s} {d}", lambda x, w, b: jn.layer_norm(x, w, b), s, s[-1:], d)
       for s in [(5, 24), (7, 1000), (3, 1032), (2, 40_000), (64, 520)]
@@ -542,6 +552,11 @@ _BUILD_CASES = [
     *((f"group_norm channels-last {s} {d}", lambda x, w, b: jn.group_norm(x, 4, w, b, channel_axis=-1),
        s, s[-1:], d)
       for s in [(2, 3, 5, 24), (2, 4, 4, 1000), (2, 3, 3, 36)] for d in ["float32", "float16"]),
+    *((f"add_layer_norm {s} {d}", _add_norm(jn.add_layer_norm), s, s[-1:], d)
+      for s in [(5, 24), (7, 1000), (3, 3000), (64, 520)] for d in ["bfloat16", "float16"]),
+    *((f"add_rms_norm {s} {d} float32 h", _add_norm(lambda x, r, w, b, **kw: jn.add_rms_norm(
+        x, r, w, **kw), jnp.float32), s, s[-1:], d) for s in [(5, 24), (3, 1032)]
+      for d in ["bfloat16"]),
 ]
 
 

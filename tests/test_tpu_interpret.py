@@ -187,7 +187,9 @@ def test_rows(rng, monkeypatch, capfd, case):
 @pytest.mark.parametrize("centered,dtype,res_dtype,params,shape,tiny,layout", [
     (False, F16, F32, "w", (13, 300), True, {"ragged"}),
     (True, F32, None, "wb", (7, 1000), False, {"fused"}),
-], ids=["add-rms-f16-f32-chunked", "add-ln-fused"])
+    (True, BF16, None, "wb", (13, 300), True, {"ragged"}),  # h rounded in both kernels
+    (False, F16, None, "w", (7, 1000), False, {"fused"}),  # a float16 h: summed by XLA
+], ids=["add-rms-f16-f32-chunked", "add-ln-fused", "add-ln-bf16-chunked", "add-rms-f16-h"])
 def test_residual_form(rng, monkeypatch, capfd, centered, dtype, res_dtype, params, shape, tiny,
                        layout):
   h = shape[-1]
@@ -208,17 +210,16 @@ def test_residual_form(rng, monkeypatch, capfd, centered, dtype, res_dtype, para
     (y, hs), vjp = jax.vjp(jax.jit(f), x, r, w, *([b] if b is not None else []))
     gx, gr, gw, *gb = vjp((dy, dh))
   assert set(called) == (FUSED if tiny is False else CHUNKED), called
-  h64 = _f64(x) + _f64(r)
-  h_stored = _f64(jnp.asarray(h64.astype(np.float32)).astype(h_dtype))
+  h_stored = ref.stored_sum(x, r, h_dtype)  # what the kernels normalize
   if centered:
-    y_ref, mean, rstd = ref.ln_fwd(h64, 1, _f64(w), _f64(b), eps)
+    y_ref, mean, rstd = ref.ln_fwd(h_stored, 1, _f64(w), _f64(b), eps)
     dx_ref, dw_ref, db_ref = ref.ln_bwd(dy, h_stored, 1, mean, rstd, _f64(w))
   else:
-    y_ref, rstd = ref.rms_fwd(h64, 1, _f64(w), eps)
+    y_ref, rstd = ref.rms_fwd(h_stored, 1, _f64(w), eps)
     dx_ref, dw_ref = ref.rms_bwd(dy, h_stored, 1, rstd, _f64(w))
   assert y.dtype == dtype and hs.dtype == h_dtype
   assert_close(y, y_ref, dtype, h, "y")
-  assert_close(hs, h64, h_dtype, 1, "h")
+  np.testing.assert_array_equal(_f64(hs), h_stored)
   scale = ref.dx_scale(dy, rstd, _f64(w)) + float(np.max(np.abs(_f64(dh))))
   assert gx.dtype == dtype and gr.dtype == r.dtype
   assert_close(gx, dx_ref + _f64(dh), dtype, h, "grad x", scale=scale)

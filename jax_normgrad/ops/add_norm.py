@@ -114,17 +114,21 @@ def _add_norm(x, residual, weight, bias, normalized_shape, eps, residual_dtype, 
 
 
 _SHARED_DOC = """
-  ``h = x + residual`` is summed in float32 and stored once rounded to
-  ``residual_dtype``; the statistics and ``y`` come from the unrounded
-  float32 sum (as flash-attn's and quack's fused kernels do), so ``y`` is
-  the norm of the exact sum whatever ``residual_dtype``. The backward works
-  from the stored ``h`` with the forward's statistics (``h`` flows on to the
-  next block, so nothing else tensor-sized is saved): with a 16-bit
-  ``residual_dtype`` its ``xhat`` carries ``h``'s rounding, as flash-attn's;
-  ``residual_dtype=float32`` (flash-attn's ``residual_in_fp32``) makes both
-  exact. It writes one gradient, ``dy``'s contribution plus the incoming
-  cotangent of ``h``, which is the gradient of both ``x`` and ``residual``
-  (returned in each one's dtype), plus the parameter gradients. With a
+  ``h = x + residual`` is summed in float32 and rounded once to
+  ``residual_dtype``, and ``y`` is the norm of ``h`` as stored: the
+  statistics and ``y`` are computed (in float32) from the rounded ``h``, as
+  the unfused ``norm(x + residual)`` computes them with the sum in x's dtype
+  (and as vLLM's ``fused_add_rms_norm`` does). The backward works from the
+  stored ``h`` with the forward's statistics (``h`` flows on to the next
+  block, so nothing else tensor-sized is saved), so it is the derivative of
+  what the forward computed; with the unrounded sum's statistics beside a
+  16-bit stored ``h`` it would not be, and gradients over short rows with a
+  large mean would be off (docs/spec.md, the residual form).
+  ``residual_dtype=float32`` (flash-attn's ``residual_in_fp32``) keeps the
+  float32 sum exact. The backward writes one gradient, ``dy``'s
+  contribution plus the incoming cotangent of ``h``, which is the gradient
+  of both ``x`` and ``residual`` (returned in each one's dtype), plus the
+  parameter gradients. With a
   16-bit x and ``residual_dtype=float32`` the backward kernel reads the
   16-bit ``dy`` as it is and writes that gradient twice, in float32 (the
   residual's) and rounded once to x's dtype (x's), as XLA's fusion of the
@@ -134,7 +138,9 @@ _SHARED_DOC = """
   is one kernel pass (read x and residual, write h and y) and the backward
   one pass of the LayerNorm kernels (dh added in its output pass), on CPU
   (FFI) and in the Pallas Triton, Mosaic GPU and TPU kernels (a row longer
-  than Mosaic GPU's shared memory: its pieces' passes); works under ``jit``,
+  than Mosaic GPU's shared memory: its pieces' passes; a float16 h on TPU,
+  whose kernels compute float16 in float32: XLA's rounded sum, then the
+  plain forward kernel); works under ``jit``,
   ``vmap`` (batched residual, per-example weights), sharded ``jit`` /
   ``shard_map`` (rows sharded) and ``grad(grad)`` as :func:`jax_normgrad.layer_norm`.
 """

@@ -142,6 +142,14 @@ def grad_input(g, xhat, c1, c2, rstd):
   return rstd * (inner - c1 if c1 is not None else inner)
 
 
+def stored_sum(x, residual, h_dtype):
+  """The residual form's h as it is stored: ``x + residual`` (float32 values) rounded to
+  ``h_dtype`` and widened back (float32: the sum itself), the value the kernels normalize
+  (docs/spec.md, the residual form)."""
+  h = x + residual
+  return h if jnp.dtype(h_dtype) == F32 else h.astype(h_dtype).astype(F32)
+
+
 def inv_std(var, eps):
   """``rstd = 1 / sqrt(var + eps)``."""
   return 1.0 / jnp.sqrt(var + jnp.float32(eps))

@@ -153,9 +153,10 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
   """Per segment: statistics (from the registers, or chunk by chunk), then ``y``.
 
   Chunked segments merge per-chunk moments (``common.combine_moments``) in a
-  first pass and write ``y`` in a second. With a residual, each tile is the
-  float32 sum of the x and residual tiles: the statistics and y come from it
-  unrounded, and the pass that writes y also writes it as h.
+  first pass and write ``y`` in a second. With a residual, each tile is h as
+  it is stored: the float32 sum of the x and residual tiles rounded to h's
+  dtype (``common.stored_sum``), the statistics and y come from it, and the
+  pass that writes y also writes it as h.
   """
   seg = launch.seg
   x_ref, r_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, h_ref = common.unpack(
@@ -167,7 +168,7 @@ def _fwd_kernel(*refs, launch: _Launch, eps: float, has_weight: bool, has_bias: 
     idx, mask = launch.window(g, *launch.chunk(k))
     x = _load(x_ref.at[(i,) + idx], mask)
     if has_residual:
-      x = x + _load(r_ref.at[(i,) + idx], mask)
+      x = common.stored_sum(x, _load(r_ref.at[(i,) + idx], mask), h_ref.dtype)
     return idx, mask, x
 
   def write(i, k, mean, rstd, params, loaded=None):

@@ -88,9 +88,10 @@ def forward(seg: Segments, x, weight, bias, *, eps: float, interpret: bool, y_dt
   on); the Mosaic GPU kernels write float32 and XLA rounds it after them.
 
   ``residual`` (x's shape, x's dtype or float32): the kernels normalize
-  ``h = x + residual``, summed in float32 tile by tile (statistics and y from
-  the unrounded sum), and also write h in ``h_dtype`` (None: x's): the
-  result is ``(y, mean | None, rstd, h)``.
+  ``h = x + residual`` as it is stored: summed in float32 tile by tile and
+  rounded to ``h_dtype`` (None: x's), statistics and y from that h
+  (``common.stored_sum``), which they also write: the result is
+  ``(y, mean | None, rstd, h)``.
   """
   kernel_x_dtype, narrow_y = y_plan(x.dtype, y_dtype)
   if x.dtype != kernel_x_dtype:

@@ -71,10 +71,10 @@ def layer_norm_fwd(*args, operands, eps, centered, param_groups, write_xhat, y_d
   Per row, in float32: ``mean = sum(x) / H`` (0 for RMSNorm),
   ``rstd = 1 / sqrt(sum((x - mean)^2) / H + eps)``,
   ``y = (x - mean) * rstd * weight + bias``, in ``y_dtype`` (None: x's).
-  With a ``residual`` (x's shape) the kernels normalize the float32 sum
-  ``x + residual`` tile by tile and also write ``h`` (in ``h_dtype``), which
-  follows the other outputs (``write_xhat`` is refused with it: see the
-  primitive).
+  With a ``residual`` (x's shape) the kernels normalize ``h = x + residual``
+  as it is stored (the float32 sum rounded to ``h_dtype``) tile by tile and
+  also write ``h``, which follows the other outputs (``write_xhat`` is
+  refused with it: see the primitive).
   """
   x, residual, weight, bias = unpack(NormFwd, args, operands)
   # The tiles compute in float32; 16-bit parameters are converted first.

@@ -39,15 +39,15 @@ x and dy are then read twice, statistics (or c1, c2) first.
 
 The residual form (``add_layer_norm`` / ``add_rms_norm``, ``FUSES_RESIDUAL``):
 the forward streams the residual's row (x's dtype or float32) beside x's and
-writes h (``h_dtype``) beside y, one TMA group per row; every pass reads the
-float32 sum, so the statistics and y come from it unrounded and h is rounded
-once. The backward streams dh beside x (here h) and dy and adds it to dx in
-float32 before dx's rounding. The plans count these rows (``extra_bytes``),
+writes h (``h_dtype``) beside y, one TMA group per row; every pass reads h
+as it is stored (the float32 sum rounded to ``h_dtype``), so the statistics
+and y are those of the stored h. The backward streams dh beside x (here h)
+and dy and adds it to dx in float32 before dx's rounding. The plans count these rows (``extra_bytes``),
 so rows are single-buffered, or cut in pieces, sooner: whole rows up to
 12.8K elements forward and 8.4K backward in float32 (25.6K and 12.8K in
 16-bit types), two stages or more up to 5.1K and 4.6K (8.4K and 7.1K). The
-pieces' forward moments are of the sum; their output kernels write h / add
-dh. A budget too small even for pieces of 256 (``unsupported``) leaves the
+pieces' forward moments are of the stored h; their output kernels write h /
+add dh. A budget too small even for pieces of 256 (``unsupported``) leaves the
 problem to Triton, announced.
 
 GroupNorm, both layouts (``mosaic_gpu_group_norm``), is two passes over rows (per-channel sums,
@@ -152,7 +152,7 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=N
 
   The residual form (rows): ``(x, residual, weight, bias)`` and ``h_dtype``
   give ``(y, mean | None, rstd, h)``, h = x + residual in float32 rounded
-  once to ``h_dtype``, the statistics and y from the unrounded sum.
+  once to ``h_dtype``, the statistics and y from that h.
   """
   if y_dtype is not None:
     y, *rest = forward(x, *operands, seg=seg, eps=eps, interpret=interpret, h_dtype=h_dtype)

@@ -172,7 +172,7 @@ def _coef_reader(launch, rows: GroupRows, refs, buf, barrier, w):
 def sums_kernel(*refs, launch: pipeline.Launch, rows: GroupRows, backward: bool,
                     pieces: int = 1, tail: int = 0, param_rows: int | None = None,
                     activation: str | None = None, act_params: tuple[bool, bool] = (False, False),
-                    has_residual: bool = False):
+                    has_residual: bool = False, h_dtype=None):
   """Per (sample, channel): moments forward, ``sum dy`` and ``sum dy * xhat`` backward.
 
   NCHW: one row, reduced in SMEM, two scalars stored per row. Channels-last:
@@ -189,8 +189,9 @@ def sums_kernel(*refs, launch: pipeline.Launch, rows: GroupRows, backward: bool,
   ``z = xhat * gamma + beta`` with the per-(i, c) gamma and beta coefficients
   present as ``act_params`` says.
 
-  ``has_residual`` (forward): the moments are of the float32 sum of x's rows
-  and the residual's, streamed beside them (the residual form's long rows).
+  ``has_residual`` (forward): the moments are of h as it is stored, the
+  float32 sum of x's rows and the residual's (streamed beside them) rounded
+  to ``h_dtype`` (the residual form's long rows).
   """
   columns = not rows.per_row
   has_gamma = param_rows is not None
@@ -215,7 +216,7 @@ def sums_kernel(*refs, launch: pipeline.Launch, rows: GroupRows, backward: bool,
 
   def row(i, slot, out):
     del out  # no output rows: sums only
-    load = pipeline.row_loader(xs, rs, slot)
+    load = pipeline.row_loader(xs, rs, slot, h_dtype)
     coefs = at_row(i)
 
     if has_gamma:  # the parameter row of this piece

@@ -53,10 +53,12 @@ def _pieces(a, pieces, plan):
   return a.reshape(a.shape[0], pieces, plan.chunks, plan.width)
 
 
-def _piece_sums(seg, pieces, plan, x4, dy4, mean, rstd, gamma4, *, interpret, r4=None):
+def _piece_sums(seg, pieces, plan, x4, dy4, mean, rstd, gamma4, *, interpret, r4=None,
+                h_dtype=None):
   """The sums kernel over the pieces: two ``(rows, pieces)`` float32 arrays.
 
-  ``r4`` (forward): the residual's pieces; the moments are of ``x + residual``.
+  ``r4`` (forward): the residual's pieces; the moments are of ``h = x + residual`` as stored
+  in ``h_dtype``.
   """
   rows = PieceRows(seg, pieces, plan.padded)
   backward = dy4 is not None
@@ -74,7 +76,7 @@ def _piece_sums(seg, pieces, plan, x4, dy4, mean, rstd, gamma4, *, interpret, r4
                              backward=backward, pieces=pieces,
                              tail=seg.minor - (pieces - 1) * plan.padded,
                              param_rows=None if gamma is None else seg.per_group,
-                             has_residual=r4 is not None)
+                             has_residual=r4 is not None, h_dtype=h_dtype)
   a, b = launch.call(kernel, [out, out], scratch, flat(x4), flat(r4), flat(dy4), rows.coef(mean),
                      rows.coef(rstd), gamma, interpret=interpret,
                      name="jax_normgrad_norm_bwd_sums" if backward else "jax_normgrad_norm_fwd_stats")
@@ -113,7 +115,8 @@ def forward(x, residual, weight, bias, *, seg: common.Segments, eps: float, inte
   """``(y, mean | None, rstd)`` of rows too long for one CTA's SMEM.
 
   The residual form (``residual``, ``h_dtype``): the pieces' moments are of
-  ``x + residual``, and the kernel writing y writes h too; ``(y, mean | None, rstd, h)``.
+  ``h = x + residual`` as stored in ``h_dtype``, and the kernel writing y writes h too;
+  ``(y, mean | None, rstd, h)``.
   """
   n_params = (weight is not None) + (bias is not None)
   has_residual = residual is not None
@@ -125,7 +128,7 @@ def forward(x, residual, weight, bias, *, seg: common.Segments, eps: float, inte
   x4 = _pieces(x.reshape(seg.n, seg.minor), pieces, plan)
   r4 = _pieces(residual.reshape(seg.n, seg.minor), pieces, plan) if has_residual else None
   means, m2s = _piece_sums(seg, pieces, sums_plan, x4, None, None, None, None,
-                           interpret=interpret, r4=r4)
+                           interpret=interpret, r4=r4, h_dtype=h_dtype)
   counts = [float(length)] * (pieces - 1) + [float(seg.minor - (pieces - 1) * length)]
   if seg.centered:
     state = (counts[0], means[:, 0], m2s[:, 0])

@@ -229,8 +229,11 @@ def wait_output_slot(launch):
   _compat.plgpu().wait_smem_to_gmem(launch.plan.out_stages - 1, wait_read_only=True)
 
 
-def row_loader(xs, rs, slot):
-  """``load(k)``: chunk k of the row in ``xs[slot]`` as float32, plus the residual's (``rs``) if any."""
+def row_loader(xs, rs, slot, h_dtype=None):
+  """``load(k)``: chunk k of the row in ``xs[slot]`` as float32; with the residual's (``rs``),
+  the residual form's h as it is stored: their float32 sum rounded to ``h_dtype``
+  (``common.stored_sum``)."""
   if rs is None:
     return lambda k: xs[slot, k].astype(F32)
-  return lambda k: xs[slot, k].astype(F32) + rs[slot, k].astype(F32)
+  assert h_dtype is not None, "the residual form's h dtype"
+  return lambda k: common.stored_sum(xs[slot, k].astype(F32), rs[slot, k].astype(F32), h_dtype)

@@ -92,9 +92,9 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
 
   ``given``: the statistics are inputs (pieces of long rows, ``mosaic_gpu_pieces.forward``).
   ``has_residual``: the residual row is streamed beside x's; every pass
-  reads their float32 sum, so the statistics and y come from it unrounded,
-  and the pass that writes y also writes it as h (rounded once to h's dtype),
-  stored with y. ``channels``: GroupNorm segments (``ChannelChunks``); y is
+  reads h as it is stored (their float32 sum rounded to h's dtype), so the
+  statistics and y are the stored h's, and the pass that writes y also
+  writes h, stored with y. ``channels``: GroupNorm segments (``ChannelChunks``); y is
   ``seg.activation`` of the normalized row.
   """
   seg = launch.seg
@@ -109,7 +109,7 @@ def fwd_kernel(*refs, launch: pipeline.Launch, eps: float, has_weight: bool, has
   _, _, start, end, piece, col, params = _cta(launch, channels, (w_ref, b_ref), ps, pbar)
 
   def row(i, slot, out):
-    load = pipeline.row_loader(xs, rs, slot)
+    load = pipeline.row_loader(xs, rs, slot, hs.dtype if has_residual else None)
     if given:
       mean = gmean_ref[i, 0] if seg.centered else None
       rstd = grstd_ref[i, 0]

@@ -415,21 +415,22 @@ def _param(ref):
 # Forward
 
 
-def _input(x_ref, r_ref):
-  """A block of the normalized input, float32: x, or with a residual the sum x + residual."""
+def _input(x_ref, r_ref, h_dtype):
+  """A block of the normalized input, float32: x, or with a residual h = x + residual as it
+  is stored in ``h_dtype`` (``common.stored_sum``)."""
   x = x_ref[...].astype(F32)
-  return x if r_ref is None else x + r_ref[...].astype(F32)
+  return x if r_ref is None else common.stored_sum(x, r_ref[...].astype(F32), h_dtype)
 
 
 def _fwd_kernel(*refs, ids, lay: _Layout, eps: float, has_weight: bool, has_bias: bool,
-                has_residual: bool):
+                has_residual: bool, h_dtype=None):
   """Segments within one block: statistics and y from a single read of x (and the residual:
-  their float32 sum, written as h, is what is normalized)."""
+  h, their float32 sum as stored in ``h_dtype``, is what is normalized and written)."""
   del ids  # a block is a whole segment
   seg = lay.seg
   x_ref, r_ref, w_ref, b_ref, y_ref, mean_ref, rstd_ref, h_ref = common.unpack(
       refs, True, has_residual, has_weight, has_bias, True, seg.centered, True, has_residual)
-  x = _input(x_ref, r_ref)
+  x = _input(x_ref, r_ref, h_dtype)
   if has_residual:
     h_ref[...] = x.astype(h_ref.dtype)
   mean = lay.seg_sum(x) / seg.count if seg.centered else None
@@ -442,13 +443,14 @@ def _fwd_kernel(*refs, ids, lay: _Layout, eps: float, has_weight: bool, has_bias
   rstd_ref[...] = rstd
 
 
-def _moments_kernel(*refs, ids, lay: _Layout, eps: float, has_residual: bool = False):
+def _moments_kernel(*refs, ids, lay: _Layout, eps: float, has_residual: bool = False,
+                    h_dtype=None):
   """Long segments: mean and rstd merged chunk by chunk (``common.combine_moments``)."""
   seg = lay.seg
   x_ref, r_ref, mean_ref, rstd_ref, count_sc, mean_sc, m2_sc = common.unpack(
       refs, True, has_residual, seg.centered, True, seg.centered, seg.centered, True)
   inner = lay.inner_mask(ids)
-  x = _input(x_ref, r_ref)
+  x = _input(x_ref, r_ref, h_dtype)
   xm = _masked(x, inner)
 
   @pl.when(lay.first(ids, lay.stats_acc))
@@ -475,12 +477,12 @@ def _moments_kernel(*refs, ids, lay: _Layout, eps: float, has_residual: bool = F
 
 
 def _normalize_kernel(*refs, ids, lay: _Layout, has_weight: bool, has_bias: bool,
-                      has_residual: bool = False):
+                      has_residual: bool = False, h_dtype=None):
   """Long segments, second pass: ``y`` (and h) from the finished statistics."""
   del ids  # elementwise
   x_ref, r_ref, mean_ref, rstd_ref, w_ref, b_ref, y_ref, h_ref = common.unpack(
       refs, True, has_residual, lay.seg.centered, True, has_weight, has_bias, True, has_residual)
-  x = _input(x_ref, r_ref)
+  x = _input(x_ref, r_ref, h_dtype)
   if has_residual:
     h_ref[...] = x.astype(h_ref.dtype)
   xc = x - mean_ref[...] if mean_ref is not None else x
@@ -527,16 +529,23 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=N
   a ``pltpu.InterpretParams`` (TPU interpret mode; see ``tpu_interpret_mode``)."""
   has_residual = h_dtype is not None
   residual, weight, bias = operands if has_residual else (None, *operands)
+  if has_residual and _computed_in(h_dtype) != h_dtype:
+    # A float16 h, which the kernels do not compute in: summed and rounded by XLA (beside
+    # the widening of x and the residual that float16 takes anyway), then normalized.
+    h = common.stored_sum(x.astype(F32), residual.astype(F32), h_dtype)
+    y, mean, rstd = forward(h, weight, bias, seg=seg, eps=eps, interpret=interpret,
+                            y_dtype=y_dtype or x.dtype)
+    return y, mean, rstd, h.astype(h_dtype)
   out_dtype = jnp.dtype(y_dtype or x.dtype)
   x = x.astype(_compute_dtype(x))
   lay = _LAYOUTS[seg.kind](seg, x.dtype.itemsize)
   xv = x.reshape(lay.data_shape)
   data = [("data", xv)]
-  h_out = []
+  h_out, res_flags = [], dict(has_residual=has_residual)
   if has_residual:
     data.append(("data", residual.astype(_compute_dtype(residual)).reshape(lay.data_shape)))
-    h_kernel_dtype = _computed_in(h_dtype)
-    h_out = [("data", jax.ShapeDtypeStruct(xv.shape, h_kernel_dtype))]
+    h_out = [("data", jax.ShapeDtypeStruct(xv.shape, h_dtype))]
+    res_flags["h_dtype"] = h_dtype
   params = [("param", None if p is None else lay.view_param(p)) for p in (weight, bias)]
   stats = jax.ShapeDtypeStruct(lay.stats_shape, F32)
   stat_outs = [("stats", stats)] * (1 + seg.centered)
@@ -544,27 +553,25 @@ def forward(x, *operands, seg: common.Segments, eps: float, interpret, h_dtype=N
   y_out = [("data", jax.ShapeDtypeStruct(xv.shape, _computed_in(out_dtype)))]
   if lay.fused:
     y, *st = _call(lay, lay.stats_order,
-                   functools.partial(_fwd_kernel, lay=lay, eps=eps, has_residual=has_residual,
-                                     **flags),
+                   functools.partial(_fwd_kernel, lay=lay, eps=eps, **res_flags, **flags),
                    data + params, y_out + stat_outs + h_out,
                    interpret=interpret, name="jax_normgrad_norm_fwd")
     h = st.pop() if has_residual else None
   else:
     scratch = [pltpu.VMEM(tuple(d for d in lay.stats_block if d is not None), F32)]
     st = _call(lay, lay.stats_order,
-               functools.partial(_moments_kernel, lay=lay, eps=eps, has_residual=has_residual),
+               functools.partial(_moments_kernel, lay=lay, eps=eps, **res_flags),
                data, stat_outs, interpret=interpret, name="jax_normgrad_norm_fwd_moments",
                scratch=scratch * (3 if seg.centered else 1))
     y, *h = _call(lay, lay.stats_order,
-                  functools.partial(_normalize_kernel, lay=lay, has_residual=has_residual,
-                                    **flags),
+                  functools.partial(_normalize_kernel, lay=lay, **res_flags, **flags),
                   data + [("stats", s) for s in st] + params, y_out + h_out,
                   interpret=interpret, name="jax_normgrad_norm_fwd_apply")
     h = h[0] if has_residual else None
   y = y.reshape(x.shape).astype(out_dtype)
   st = [lay.unview_stats(s) for s in st]
   out = (y, *st) if seg.centered else (y, None, st[0])
-  return out + (h.reshape(x.shape).astype(h_dtype),) if has_residual else out
+  return out + (h.reshape(x.shape),) if has_residual else out
 
 
 # ----------------------------------------------------------------------------

@@ -25,8 +25,11 @@ is an empty ``(0,)`` array when ``dx`` is masked out).
 
 The residual form (``add_layer_norm`` / ``add_rms_norm``) runs on the same
 primitives: the forward's ``residual`` operand (x's dtype or float32) makes
-it normalize ``h = x + residual`` summed in float32 and return h (in
-``h_dtype``, None: x's dtype) as a last output; the backward's ``dh``
+it normalize ``h = x + residual`` as it is stored, summed in float32 and
+rounded to ``h_dtype`` (None: x's dtype), the statistics and y those of
+that rounded h, which it returns as a last output (docs/spec.md, the
+residual form: the backward, reading the stored h, then differentiates
+what the forward computed); the backward's ``dh``
 operand (the cotangent of h, in the dtype of the backward's x operand,
 which is then h) is added into dx.
 With a float32 h under a 16-bit y (``residual_dtype=float32``) the backward
