@@ -71,3 +71,21 @@ def test_benchmark_links_resolve():
       if doc.name in anchors:
         assert anchor in anchors[doc.name], (doc.name, anchor)
   assert links >= 6  # the README's figures link to their sections
+
+
+def test_version_stage_test_ids_exist():
+  """Every test the version stages (.ci/oldest-jax, .ci/newest-jax) name still exists.
+
+  They name single tests (.ci/lib.sh's smoke of the op suites, and .ci/version-tests.txt's
+  coverage-selected cases of the kernel-matrix modules): one renamed test makes pytest
+  collect nothing under xdist, and the stage fails with "no tests ran". Collected here, in
+  the README's test command, the failure names the missing id."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  out = subprocess.run(["bash", "-c", ". .ci/lib.sh && version_stage_tests"], cwd=ROOT,
+                       check=True, capture_output=True, text=True).stdout.split("\n")
+  ids = [a for a in out if "::" in a and not a.startswith("--")]
+  assert len(ids) > 20, ids
+  run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist",
+                        "-p", "no:cacheprovider", *ids], cwd=ROOT, capture_output=True, text=True)
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
