@@ -14,6 +14,7 @@ Library code asks here instead of branching on ``jax.__version__`` itself.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from typing import NamedTuple
 
@@ -236,8 +237,23 @@ def mosaic_gpu_interpret(interpret: bool):
 # GPU devices found" when a kernel is lowered. jax 0.10 asked nothing (it
 # took the device's compute capability, or sm_90 with no GPU attached). A kind
 # the list lacks is added through ``gpu_info.registry`` (kind -> a function
-# returning its ``GpuInfo``): 0.11.0 to 0.11.2 have it only at its private
-# path, read here and nowhere else.
+# returning its ``GpuInfo``), which jax has only at a private path, read here
+# and nowhere else: ``jax._src.pallas.triton.gpu_info`` in 0.11.0 to 0.12.0,
+# ``jax._src.gpu_info`` from 0.12.1 (which also reads an attached "NVIDIA ..."
+# GPU's compute capability, as 0.11.2 does).
+
+
+def triton_gpu_info_module():
+  """jax's module of the Triton GPU list (``registry``, ``GpuInfo``), or None where this jax
+  has none (before 0.11)."""
+  for path in ("jax._src.gpu_info", "jax._src.pallas.triton.gpu_info"):
+    try:
+      module = importlib.import_module(path)
+    except ImportError:
+      continue
+    if isinstance(getattr(module, "registry", None), dict):
+      return module
+  return None
 
 
 def triton_gpu_info():
@@ -250,11 +266,10 @@ def _triton_gpu_entry(device_kind: str, compute_capability: str):
   """``(registry, GpuInfo)`` that would tell Pallas Triton of ``device_kind``; None where this
   jax offers no way to. Changes nothing."""
   del device_kind
-  try:
-    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
-  except ImportError:
+  gpu_info = triton_gpu_info_module()
+  if gpu_info is None:
     return None
-  registry, info_class = getattr(gpu_info, "registry", None), getattr(gpu_info, "GpuInfo", None)
+  registry, info_class = gpu_info.registry, getattr(gpu_info, "GpuInfo", None)
   if not isinstance(registry, dict) or info_class is None:
     return None
   major, minor = (int(v) for v in compute_capability.split("."))

@@ -452,7 +452,8 @@ def tpu_device(generation: str):
 def compile_tpu(case: Case, generation: str) -> str:
   """Compiles ``case`` for one chip of ``generation``; returns the optimized HLO text."""
   device = tpu_device(generation)[0]
-  sharding = jax.sharding.SingleDeviceSharding(device)
+  make = getattr(jax.sharding, "make_single_device_sharding", None)  # jax >= 0.12.1
+  sharding = make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in case.args]
   with _no_fallback():
     text = jax.jit(case.fn).lower(*args).compile().as_text()

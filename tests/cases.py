@@ -86,6 +86,13 @@ EXPORT_SKIP = ("jax >= 0.11 lowers Pallas Triton only for a GPU or an abstract d
                "shard_map refuses an abstract context mesh")
 
 
+def single_device_sharding(device):
+  """A sharding of one device: ``jax.sharding.make_single_device_sharding`` where jax has it
+  (SingleDeviceSharding is deprecated from jax 0.12.1), else the class."""
+  make = getattr(jax.sharding, "make_single_device_sharding", None)
+  return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
+
+
 def export_for(platform, f, args, *, mesh=None, device_kind=None, no_device=False, **kwargs):
   """``jax.export.export(f, platforms=[platform], **kwargs)(*args)`` on a machine with no accelerator.
 
@@ -109,7 +116,7 @@ def export_for(platform, f, args, *, mesh=None, device_kind=None, no_device=Fals
   if mesh is not None:
     # shard_map requires the context mesh to be its own, concrete one.
     pytest.skip(EXPORT_SKIP)
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  one = single_device_sharding(jax.devices()[0])
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) or one)
           for a in args]
   with abstract_gpu(platform, device_kind or "NVIDIA H100"):

@@ -98,8 +98,8 @@ def triton_list(monkeypatch, settings_env):
   """jax's Triton GPU list: jax's own from 0.11, else a fake of jax 0.11's (see the module doc)."""
   if TRITON_LOWERING_NEEDS_GPU_KIND:
     # The registry a copy, restored after the test: jax's module global, read at each lookup
-    # (a private path, as _compat.register_triton_gpu's).
-    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+    # (a private path: _compat's, as _compat.register_triton_gpu reads it).
+    gpu_info = _compat.triton_gpu_info_module()
     monkeypatch.setattr(gpu_info, "registry", dict(gpu_info.registry))
     listing = _TritonList(_compat.register_triton_gpu)
   else:
@@ -250,7 +250,7 @@ def test_explain_registers_nothing(triton_list, monkeypatch):
 def test_explain_leaves_jax_triton_registry_unchanged(monkeypatch, settings_env):
   """jax's own registry, unpatched (``gpu_info.registry``, a private path: the one the package
   registers in), is the same dict with the same entries after ``explain`` of a GPU it lacks."""
-  from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+  gpu_info = _compat.triton_gpu_info_module()
   settings_env(_settings.GPU_BACKEND_ENV, None)
   kind = _attached(monkeypatch, "7.0", kind=REGISTRABLE)
   registry = gpu_info.registry
