@@ -85,3 +85,68 @@ version_stage_tests() {
   stage_tests_whole
   grep -v '^#' "$(dirname "${BASH_SOURCE[0]}")/version-tests.txt"
 }
+
+# The version stages' virtual environments and their packages (not the package itself), made
+# by the stages or ahead of them by .ci/prepare-envs, which .ci/run starts in the background
+# while the README's test command runs: these steps only download and unpack wheels, and
+# would otherwise leave both cores idle. A finished environment is marked (.ci-deps-done) and
+# used as it is; an unfinished one is made anew.
+CI_DEPS_DONE=.ci-deps-done
+
+# oldest_jax: the oldest supported jax (pyproject.toml's "jax>=").
+oldest_jax() {
+  python3 - <<'PY'
+import re, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+print(re.search(r'"?jax>=([0-9.]+)', " ".join(deps)).group(1))
+PY
+}
+
+# newest_python: NEWEST_PYTHON, else python3.12 on the PATH, else pyenv's; fails without one.
+newest_python() {
+  local candidate
+  for candidate in "${NEWEST_PYTHON:-}" python3.12 \
+      "$(pyenv root 2>/dev/null || echo /root/.pyenv)"/versions/3.12*/bin/python3.12; do
+    if [[ -n "$candidate" ]] && "$candidate" -c "import sys; assert sys.version_info >= (3, 12)" \
+        2>/dev/null; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  echo "no Python >= 3.12 found (set NEWEST_PYTHON)" >&2
+  return 1
+}
+
+# ci_venv DIR PYTHON REQUIREMENT...: DIR a virtual environment of PYTHON with the requirements
+# installed, made anew unless a finished one is there.
+ci_venv() {
+  local dir=$1 python=$2
+  shift 2
+  if [[ -f "$dir/$CI_DEPS_DONE" ]]; then
+    return 0
+  fi
+  rm -rf "$dir"
+  "$python" -m venv "$dir"
+  # --no-compile: Python compiles what the tests import, not all of every package (CPU time
+  # taken from the tests running beside this).
+  "$dir/bin/python" -m pip install -q --no-compile "$@"
+  touch "$dir/$CI_DEPS_DONE"
+}
+
+# oldest_venv: .venv-ci-oldest, the test extra resolved against the oldest jax (pip picks the
+# flax and equinox releases that accept it), without the package itself.
+oldest_venv() {
+  local oldest reqs
+  oldest=$(oldest_jax)
+  mapfile -t reqs < <(requirements dependencies test)
+  ci_venv .venv-ci-oldest python3 "${reqs[@]}" "jax==$oldest" "jaxlib==$oldest"
+}
+
+# newest_venv: .venv-ci-newest, the newest Python with the package's and the test extra's
+# requirements at the newest releases pip finds (the package is built into it by .ci/newest-jax).
+newest_venv() {
+  local python reqs
+  python=$(newest_python)
+  mapfile -t reqs < <(requirements dependencies test)
+  ci_venv .venv-ci-newest "$python" "${reqs[@]}"
+}
