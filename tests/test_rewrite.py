@@ -116,6 +116,21 @@ def test_near_misses_say_why():
   assert any("L2" in m.reason for m in report.near_misses)
 
 
+def test_a_norm_over_the_leading_axis_is_left_alone_and_reported():
+  """Named-axis code's RMSNorm over axis 0 (the normalized axis first, as penzai's jaxprs have
+  it): left alone, since the op on a moved view does not pay on the CPU (docs/rewrite.md, "What
+  it leaves alone"), and the report names the axes."""
+  def leading(x, w):
+    ms = jnp.mean(jnp.square(x), axis=0, keepdims=True)
+    return x * jax.lax.rsqrt(ms + 1e-6) * w[:, None]
+
+  x, w = jnp.ones((48, 10)) * jnp.arange(10.0), jnp.linspace(0.5, 1.5, 48)
+  report = jn.explain_rewrite(leading, x, w)
+  assert not report.matches
+  assert any("axes (0,)" in m.reason and "moved view" in m.reason for m in report.near_misses), report
+  assert str(jax.make_jaxpr(jn.rewrite(leading))(x, w)) == str(jax.make_jaxpr(leading)(x, w))
+
+
 # ----------------------------------------------------------------------------
 # Nested jaxprs and transformations.
 

@@ -93,9 +93,12 @@ def _layout(cand: Candidate):
         set(x) <= set(red) for i, x in enumerate(sig[split:], split) if i != chan[0]):
       return ("group", split, chan[0] - split + 1, g, cg), None
   axes = [i for i, d in enumerate(sig) if set(d) & set(red)]
+  # Leading axes (named-axis code): the op could run on a moved view, measured not to pay.
+  moved = ("; the op on a moved view of x does not pay, so it stays as written "
+           "(docs/rewrite.md, \"What it leaves alone\")" if axes == list(range(len(axes))) else "")
   return None, (f"the statistics are over axes {tuple(axes)} of x's shape {tuple(cand.root.aval.shape)}: "
                 "neither its trailing axes (LayerNorm, RMSNorm) nor a group's channels and "
-                "spatial axes (GroupNorm)")
+                f"spatial axes (GroupNorm){moved}")
 
 
 def _factor_labels(cand: Candidate, f) -> set:
