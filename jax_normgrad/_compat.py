@@ -270,7 +270,7 @@ def _triton_gpu_entry(device_kind: str, compute_capability: str):
   if gpu_info is None:
     return None
   registry, info_class = gpu_info.registry, getattr(gpu_info, "GpuInfo", None)
-  if not isinstance(registry, dict) or info_class is None:
+  if info_class is None:
     return None
   major, minor = (int(v) for v in compute_capability.split("."))
   try:
