@@ -65,6 +65,7 @@ import numpy as np  # noqa: E402
 
 import jax_normgrad as jn  # noqa: E402
 from jax_normgrad.pallas import config  # noqa: E402
+import cases  # noqa: E402
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 GPU_ARCHS = (80, 90)
@@ -452,8 +453,7 @@ def tpu_device(generation: str):
 def compile_tpu(case: Case, generation: str) -> str:
   """Compiles ``case`` for one chip of ``generation``; returns the optimized HLO text."""
   device = tpu_device(generation)[0]
-  make = getattr(jax.sharding, "make_single_device_sharding", None)  # jax >= 0.12.1
-  sharding = make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
+  sharding = cases.single_device_sharding(device)
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in case.args]
   with _no_fallback():
     text = jax.jit(case.fn).lower(*args).compile().as_text()
