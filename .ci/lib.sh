@@ -80,6 +80,11 @@ stage_tests_whole() {
     --deselect=tests/test_kernels.py::test_avx512bf16_build_computes_the_avx2_builds_bits
 }
 
+# The version stages' budget of the rewrite's fuzz (tests/test_rewrite_fuzz.py): its kept
+# examples and 10 derandomized cases, which reach the rewrite's jaxpr reading on that jax; the
+# README's test command runs its 40.
+VERSION_STAGE_FUZZ_EXAMPLES=10
+
 # The version stages' arguments: the whole modules above, and the matrix modules' cases.
 version_stage_tests() {
   stage_tests_whole
