@@ -7,14 +7,15 @@ ci_phase() {
 }
 
 # requirements LIST...: pyproject.toml's requirement lists, one requirement a
-# line. LIST: "dependencies" (the project's) or the name of an extra ("test",
-# "accel-check").
+# line. LIST: "dependencies" (the project's), "build-system" (its build's) or the
+# name of an extra ("test", "accel-check").
 requirements() {
   python3 - "$@" <<'PY'
 import sys, tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))
 for name in sys.argv[1:]:
     print("\n".join(p["project"]["dependencies"] if name == "dependencies"
+                    else p["build-system"]["requires"] if name == "build-system"
                     else p["project"]["optional-dependencies"][name]))
 PY
 }
@@ -136,6 +137,29 @@ ci_venv() {
   # taken from the tests running beside this).
   "$dir/bin/python" -m pip install -q --no-compile "$@"
   touch "$dir/$CI_DEPS_DONE"
+}
+
+# build_venv: .venv-ci-build, pyproject.toml's build-system.requires (what pip's isolated
+# build environment installs: scikit-build-core, nanobind, the oldest jaxlib's FFI headers),
+# from which the steps that build the package again (.ci/isa-builds, .ci/sanitize) build it
+# without isolation (build_package) instead of pip making that environment anew for each build
+# (about 20 s each). The same packages as the README's isolated install, and the same cmake
+# and compiler (the PATH's), so the compile commands are its own: .ci/isa-builds still reuses
+# its objects.
+build_venv() {
+  local reqs
+  mapfile -t reqs < <(requirements build-system)
+  ci_venv .venv-ci-build python3 "${reqs[@]}"
+}
+
+# build_package SITE PIP-ARGS...: the package built from .venv-ci-build (made here if it is not
+# there yet) and installed into the directory SITE, without its dependencies.
+build_package() {
+  local site=$1
+  shift
+  build_venv
+  .venv-ci-build/bin/python -m pip install -q --no-deps --no-build-isolation "$@" \
+    --target "$site" .
 }
 
 # oldest_venv: .venv-ci-oldest, the test extra resolved against the oldest jax (pip picks the

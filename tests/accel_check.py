@@ -333,10 +333,6 @@ class Resources:
   registers: int
   local_bytes: int       # local memory per thread: > 0 means spills
   shared_bytes: int
-  loads_128: int         # LDG.E.128 instructions
-  loads_narrow: int      # other LDG instructions
-  stores_128: int
-  stores_narrow: int
   num_warps: int
 
   @property
@@ -350,14 +346,24 @@ class Resources:
                    2048 // threads), 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Accesses:
+  """One compiled kernel's global loads and stores by width, counted in its machine code."""
+
+  loads_128: int         # LDG.E.128 instructions
+  loads_narrow: int      # other LDG instructions
+  stores_128: int
+  stores_narrow: int
+
+
 def _tools_dir() -> pathlib.Path:
   import triton  # pylint: disable=g-import-not-at-top
   return pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 @functools.lru_cache(maxsize=None)
-def compile_triton(kernel: TritonKernel, arch: int) -> Resources:
-  """Compiles ``kernel`` for ``sm_{arch}`` and reads its cubin (cached: cases share kernels)."""
+def _cubin(kernel: TritonKernel, arch: int) -> bytes:
+  """``kernel`` compiled by Triton for ``sm_{arch}`` (cached: cases share kernels)."""
   import triton  # pylint: disable=g-import-not-at-top
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
 
@@ -367,21 +373,38 @@ def compile_triton(kernel: TritonKernel, arch: int) -> Resources:
     compiled = triton.compile(str(src), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": kernel.num_warps,
                                        "num_stages": kernel.num_stages})
+    return compiled.asm["cubin"]
+
+
+def _cuobjdump(kernel: TritonKernel, arch: int, option: str) -> str:
+  """What ``cuobjdump OPTION`` prints of the kernel's cubin for ``sm_{arch}``."""
+  with tempfile.TemporaryDirectory() as tmp:
     cubin = pathlib.Path(tmp) / "k.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    objdump = str(_tools_dir() / "cuobjdump")
-    usage = subprocess.run([objdump, "--dump-resource-usage", str(cubin)], check=True,
-                           capture_output=True, text=True).stdout
-    sass = subprocess.run([objdump, "-sass", str(cubin)], check=True, capture_output=True,
-                          text=True).stdout
+    cubin.write_bytes(_cubin(kernel, arch))
+    return subprocess.run([str(_tools_dir() / "cuobjdump"), option, str(cubin)], check=True,
+                          capture_output=True, text=True).stdout
+
+
+@functools.lru_cache(maxsize=None)
+def compile_triton(kernel: TritonKernel, arch: int) -> Resources:
+  """Compiles ``kernel`` for ``sm_{arch}`` and reads its cubin's resource usage (cached)."""
+  usage = _cuobjdump(kernel, arch, "--dump-resource-usage")
   field = lambda key: int(re.search(rf"{key}:(\d+)", usage).group(1))
+  return Resources(registers=field("REG"), local_bytes=field("STACK") + field("LOCAL"),
+                   shared_bytes=field("SHARED"), num_warps=kernel.num_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def memory_accesses(kernel: TritonKernel, arch: int) -> Accesses:
+  """The global loads and stores of ``kernel``'s cubin for ``sm_{arch}`` by width, from its
+  disassembly (cached; apart from :func:`compile_triton`: disassembling takes most of a
+  kernel's check, and only the access-width test and the report need it)."""
+  sass = _cuobjdump(kernel, arch, "-sass")
   ldg = re.findall(r"\bLDG\.E(\S*)", sass)
   stg = re.findall(r"\bSTG\.E(\S*)", sass)
   wide = lambda ops: sum(".128" in o for o in ops)
-  return Resources(registers=field("REG"), local_bytes=field("STACK") + field("LOCAL"),
-                   shared_bytes=field("SHARED"), loads_128=wide(ldg),
-                   loads_narrow=len(ldg) - wide(ldg), stores_128=wide(stg),
-                   stores_narrow=len(stg) - wide(stg), num_warps=kernel.num_warps)
+  return Accesses(loads_128=wide(ldg), loads_narrow=len(ldg) - wide(ldg), stores_128=wide(stg),
+                  stores_narrow=len(stg) - wide(stg))
 
 
 def gpu_report(cases=None) -> list[dict]:
@@ -395,7 +418,8 @@ def gpu_report(cases=None) -> list[dict]:
                          num_stages=kernel.num_stages, tile=kernel.tile_elems,
                          grid=kernel.grid, programs_per_sm=kernel.programs_per_sm,
                          per_thread=kernel.tile_elems // (32 * kernel.num_warps),
-                         **dataclasses.asdict(r), blocks_per_sm=r.blocks_per_sm))
+                         **dataclasses.asdict(r), blocks_per_sm=r.blocks_per_sm,
+                         **dataclasses.asdict(memory_accesses(kernel, arch))))
   return rows
 
 

@@ -56,7 +56,7 @@ def test_row_kernels_move_rows_by_128_bit_accesses():
   case = next(c for c in ac.CASES if c.name == "grad(layer_norm) 64x4096 float32")
   for kernel in ac.triton_kernels(case):
     if kernel.name in ("jax_normgrad_norm_fwd", "jax_normgrad_norm_bwd"):
-      r = ac.compile_triton(kernel, 90)
+      r = ac.memory_accesses(kernel, 90)
       assert r.loads_128 >= 2 and r.stores_128 >= 1, (kernel.name, r)
 
 
