@@ -77,14 +77,14 @@ def _compile_xla_programs_unoptimized() -> None:
   """XLA compiles the tests' programs at LLVM's -O0, unless XLA_FLAGS names a level.
 
   What the suite checks is jax_normgrad's kernels (compiled C++, or Pallas kernels run by
-  their interpreters), its lowerings and transformations, not XLA's code generation; most of
-  its time is XLA compiling small programs, and -O0 compiles them in less CPU (about 15% of
-  the suite's, and twice that under .ci/sanitize's ASan; BENCHMARKS-history.md, "CI time").
-  The level changes no HLO pass (the programs' fusions and custom calls are those of the
-  default) and XLA's CPU code does no fast math, so values change at most by float32
-  rounding, within every tolerance. Set before jax initialises its backend, which reads
-  XLA_FLAGS then; child processes inherit it (the same compilation-cache keys as theirs).
-  `XLA_FLAGS=--xla_backend_optimization_level=3 python -m pytest` runs the default level.
+  their interpreters), its lowerings and transformations, not XLA's code generation; much of
+  its time is XLA compiling small programs, which -O0 does in less CPU (BENCHMARKS-history.md,
+  "CI time"). The level is LLVM's, for the machine code XLA makes of a program: the programs
+  and their custom calls (the kernels) are the same, and XLA's CPU code does no fast math,
+  so values change at most by float32 rounding, within every tolerance. Set before jax
+  initialises its backend, which reads XLA_FLAGS then; child processes inherit it (the same
+  compilation-cache keys as theirs). `XLA_FLAGS=--xla_backend_optimization_level=3 python -m
+  pytest` runs the default level.
   """
   flags = os.environ.get("XLA_FLAGS", "")
   if XLA_OPT_LEVEL not in flags:
