@@ -162,6 +162,37 @@ build_package() {
     --target "$site" .
 }
 
+# unmet REQUIREMENT...: those of the requirements, and of the extras they name, that the
+# active Python's installed distributions do not satisfy, one a line: what a step adds in a
+# directory of its own (pip install --target) instead of into a venv another step is using.
+unmet() {
+  python - "$@" <<'PY'
+import sys
+from importlib import metadata
+from packaging.requirements import Requirement
+
+def unmet(req, extra=None):
+  if req.marker and not req.marker.evaluate({"extra": extra or ""}):
+    return []
+  try:
+    have = metadata.version(req.name)
+  except metadata.PackageNotFoundError:
+    return [str(req)]
+  if not req.specifier.contains(have, prereleases=True):
+    return [str(req)]
+  out = []
+  for e in req.extras:
+    for r in metadata.requires(req.name) or []:
+      r = Requirement(r)
+      if r.marker and r.marker.evaluate({"extra": e}):
+        r.marker = None
+        out += unmet(r)
+  return out
+
+print("\n".join(r for a in sys.argv[1:] for r in unmet(Requirement(a))))
+PY
+}
+
 # oldest_venv: .venv-ci-oldest, the test extra resolved against the oldest jax (pip picks the
 # flax and equinox releases that accept it), without the package itself.
 oldest_venv() {
