@@ -230,30 +230,6 @@ def cpu_device():
     yield
 
 
-#: The longest test scopes (pyproject's --dist=loadscope keeps a class, or a module's
-#: functions, on one worker), longest first, as measured on CI's 2-core machine: run first,
-#: so that the run does not end with one worker busy on a long scope and the other idle.
-SLOW_SCOPES = (
-    "tests/test_benchmarks.py", "tests/test_pallas.py", "tests/test_add_norm.py::TestAddNormMosaicGpu",
-    "tests/test_group_norm.py::TestGroupNormMosaicGpu", "tests/test_kernels.py",
-    "tests/test_mosaic_gpu.py", "tests/test_third_party.py", "tests/test_tpu_interpret.py",
-    "tests/test_sharding.py", "tests/test_properties.py", "tests/test_rewrite_fuzz.py",
-    "tests/test_notebooks.py", "tests/test_layer_norm.py::TestLayerNormMosaicGpu",
-)
-
-
-def _slow_rank(nodeid: str) -> int:
-  for rank, scope in enumerate(SLOW_SCOPES):
-    if nodeid.startswith(scope + "::") or nodeid.startswith(scope + "["):
-      return rank
-  return len(SLOW_SCOPES)
-
-
-def pytest_collection_modifyitems(config, items):
-  """The scopes of ``SLOW_SCOPES`` first, longest first; the others after them, in order."""
-  items.sort(key=lambda item: _slow_rank(item.nodeid))  # stable: each scope's order kept
-
-
 def pytest_generate_tests(metafunc):
   """Parametrizes test arguments from the ``argument_values`` dict of the test's class.
 
