@@ -193,6 +193,20 @@ print("\n".join(r for a in sys.argv[1:] for r in unmet(Requirement(a))))
 PY
 }
 
+# beside_venv SITE REQUIREMENT...: those of the requirements the active venv does not
+# satisfy (unmet), installed into the directory SITE (made anew), which goes first on
+# PYTHONPATH: what a step adds without changing the venv the steps beside it use (.ci/run).
+beside_venv() {
+  local site=$1 missing
+  shift
+  rm -rf "$site" && mkdir -p "$site"
+  mapfile -t missing < <(unmet "$@")
+  if (( ${#missing[@]} )); then
+    pip install -q --no-compile --target "$site" "${missing[@]}"
+  fi
+  export PYTHONPATH="$PWD/$site"
+}
+
 # oldest_venv: .venv-ci-oldest, the test extra resolved against the oldest jax (pip picks the
 # flax and equinox releases that accept it), without the package itself.
 oldest_venv() {
