@@ -171,8 +171,8 @@ import sys
 from importlib import metadata
 from packaging.requirements import Requirement
 
-def unmet(req, extra=None):
-  if req.marker and not req.marker.evaluate({"extra": extra or ""}):
+def unmet(req):
+  if req.marker and not req.marker.evaluate({"extra": ""}):
     return []
   try:
     have = metadata.version(req.name)
