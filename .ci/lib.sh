@@ -86,6 +86,15 @@ stage_tests_whole() {
 # README's test command runs its 40.
 VERSION_STAGE_FUZZ_EXAMPLES=10
 
+# The benchmark tools' smoke runs that reach jax's internals or its profiler (the Mosaic GPU
+# probe's lowering, the traces), which .ci/newest-jax runs with version_stage_tests in one
+# pytest run (jax 0.8.1, .ci/oldest-jax's, lacks the API the Mosaic GPU kernels use).
+stage_benchmark_tests() {
+  printf 'tests/test_benchmarks.py::%s\n' test_gpu_mosaic_probe_runs test_gpu_mosaic_probe_stages \
+    test_gpu_mosaic_probe_lowered test_gpu_trace_smoke_run test_trace_steps_splits_one_trace_by_step \
+    test_bench_models_tuned_variants_trace_under_their_override
+}
+
 # The version stages' arguments: the whole modules above, and the matrix modules' cases.
 version_stage_tests() {
   stage_tests_whole

@@ -3,6 +3,7 @@
     python benchmarks/ab_builds.py OTHER.so                      # the default rows
     python benchmarks/ab_builds.py OTHER.so --rows layer_norm:2048x512:fwd,group_norm:8x32x32x64:bwd
     python benchmarks/ab_builds.py OTHER.so --rows add_layer_norm:2048x512:fwd:bfloat16:float32
+    python benchmarks/ab_builds.py OTHER.so --rows group_norm+silu:8x32x32x320:bwd,group_norm_nchw+gelu:8x320x32x32:fwd
 
 OTHER.so is another build of ``jax_normgrad/_jax_normgrad*.so`` (the old one:
 copy the installed file aside before rebuilding). On this project's shared
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.machinery
 import importlib.util
 import os
@@ -93,7 +95,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 def row(spec: str):
   """``(fn, args)`` of a row ``op:shape:pass[:dtype[:residual dtype]]`` (pass: fwd, bwd or
   grad; x's dtype, default float32; the add ops' residual and h dtype, default x's: an
-  argument, ``0.5 * x``); the parameters are float32."""
+  argument, ``0.5 * x``); the parameters are float32. ``group_norm+ACT`` (ACT: silu, gelu,
+  relu) is GroupNorm with that activation fused, channels-last like ``group_norm``;
+  ``group_norm_nchw+ACT`` the same with x as N x C x H x W."""
   parts = spec.split(":")
   op, shape, kind = (parts + ["", "", ""])[:3]
   dtype = parts[3] if len(parts) > 3 else "float32"
@@ -106,6 +110,14 @@ def row(spec: str):
       "add_rms_norm": lambda x, r, w, b: jng.add_rms_norm(x, r, w, residual_dtype=r.dtype)[0],
       "group_norm": lambda x, r, w, b: jng.group_norm(x, 32, w, b, channel_axis=-1),
   }
+  # GroupNorm with a fused activation, channels-last (SHAPE: N x H x W x C) and channels-first
+  # (group_norm_nchw: N x C x H x W).
+  for act in ("silu", "gelu", "relu"):
+    norms[f"group_norm+{act}"] = functools.partial(
+        lambda x, r, w, b, act: jng.group_norm(x, 32, w, b, channel_axis=-1, activation=act),
+        act=act)
+    norms[f"group_norm_nchw+{act}"] = functools.partial(
+        lambda x, r, w, b, act: jng.group_norm(x, 32, w, b, activation=act), act=act)
   if (op not in norms or kind not in ("fwd", "bwd", "grad") or len(parts) > 5
       or dtype not in DTYPES or res_dtype not in (dtype, "float32")
       or (res_dtype != dtype and not op.startswith("add_"))):
@@ -117,7 +129,7 @@ def row(spec: str):
   x = jnp.asarray(rng.standard_normal(dims), dtype)
   r = (0.5 * x.astype(jnp.float32)).astype(res_dtype)
   ct = jnp.asarray(rng.standard_normal(dims), dtype)
-  c = dims[-1]
+  c = dims[1] if op.startswith("group_norm_nchw") else dims[-1]
   w = jnp.asarray(1 + 0.1 * rng.standard_normal(c), jnp.float32)
   b = jnp.asarray(0.1 * rng.standard_normal(c), jnp.float32)
   norm = norms[op]

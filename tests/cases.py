@@ -228,6 +228,16 @@ def runs_kernels(implementation) -> bool:
   return implementation != "xla"
 
 
+def repeats_can_differ(implementation) -> bool:
+  """Whether two runs of ``implementation`` on :data:`PLATFORM` could give different bits, so
+  that a determinism test's repeated runs test something: the C++ kernels (a thread pool),
+  XLA, and every implementation on a GPU or TPU. Not a Pallas or Mosaic GPU kernel
+  interpreted on the CPU: the interpreters run its programs one after another in one fixed
+  order, one thread each, uninitialized memory as NaN, so a repeat gives the first run's bits
+  by construction; the kernels' own determinism is tested where they run (a GPU or TPU)."""
+  return PLATFORM != "cpu" or implementation in (None, "ffi", "xla")
+
+
 def assert_launches(count: int, cpu_count: int, what: str = "") -> None:
   """``count`` (of :func:`kernel_launches`) is ``cpu_count`` on CPU; on a GPU or TPU, at least
   one where the CPU has any and none where it has none (the Pallas kernels split the work

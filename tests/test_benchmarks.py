@@ -676,7 +676,8 @@ def test_ab_builds_times_a_second_copy_of_the_kernels():
   script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab_builds.py"
   env = dict(os.environ, JAX_PLATFORMS="cpu")  # the CPU kernels, also on an accelerator machine
   rows = ("layer_norm:6x37:fwd,add_rms_norm:5x16:bwd,group_norm:2x3x3x32:grad,"
-          "add_layer_norm:4x40:fwd:bfloat16:float32")
+          "add_layer_norm:4x40:fwd:bfloat16:float32,group_norm+silu:2x3x3x32:bwd,"
+          "group_norm_nchw+gelu:2x32x3x3:fwd:bfloat16")
   out = subprocess.run([sys.executable, str(script), _ffi._ext.__file__, "--rows", rows,
                         "--rounds", "2", "--iters", "2"], check=True, capture_output=True,
                        text=True, env=env).stdout

@@ -82,8 +82,9 @@ def test_version_stage_test_ids_exist():
   the README's test command, the failure names the missing id."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  out = subprocess.run(["bash", "-c", ". .ci/lib.sh && version_stage_tests"], cwd=ROOT,
-                       check=True, capture_output=True, text=True).stdout.split("\n")
+  out = subprocess.run(
+      ["bash", "-c", ". .ci/lib.sh && version_stage_tests && stage_benchmark_tests"], cwd=ROOT,
+      check=True, capture_output=True, text=True).stdout.split("\n")
   ids = [a for a in out if "::" in a and not a.startswith("--")]
   assert len(ids) > 20, ids
   run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist",

@@ -27,9 +27,13 @@ pytest.importorskip("equinox")
 HERE = pathlib.Path(__file__).resolve().parent / "third_party"
 
 SUITES = {
-    # flax.linen's NormalizationTest (LayerNorm, RMSNorm, GroupNorm, their masks and axes, and
-    # the other norms' tests beside them) and flax.nnx's normalization tests.
-    "flax": (["flax/linen_test.py::NormalizationTest", "flax/normalization_test.py"], None),
+    # flax.linen's NormalizationTest and flax.nnx's normalization tests of LayerNorm, RMSNorm and
+    # GroupNorm (their masks and axes, linen against nnx, one norm against another); not the
+    # BatchNorm, InstanceNorm, WeightNorm and SpectralNorm tests beside them (96 of 165, 35 of
+    # the suite's 61 s), which build none of the patched classes.
+    "flax": (["flax/linen_test.py::NormalizationTest", "flax/normalization_test.py"],
+             "layer_norm or rms_norm or group_norm or layernorm or rmsnorm or groupnorm"
+             " or normalization_equivalence"),
     # equinox's LayerNorm and GroupNorm tests (equinox has none for RMSNorm).
     "equinox": (["equinox/test_nn.py"], "layer_norm or group_norm"),
 }
@@ -60,5 +64,5 @@ def test_library_suite_passes_under_patch(suite):
   assert used and int(used.group(2)) >= (50 if suite == "flax" else 2), out[-3000:]
   summary = out.strip().splitlines()[-1]
   passed = int(re.search(r"(\d+) passed", summary).group(1))
-  assert passed >= (150 if suite == "flax" else 2), summary
+  assert passed >= (65 if suite == "flax" else 2), summary
   assert "failed" not in summary and "error" not in summary, summary
