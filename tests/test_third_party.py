@@ -29,8 +29,8 @@ HERE = pathlib.Path(__file__).resolve().parent / "third_party"
 SUITES = {
     # flax.linen's NormalizationTest and flax.nnx's normalization tests of LayerNorm, RMSNorm and
     # GroupNorm (their masks and axes, linen against nnx, one norm against another); not the
-    # BatchNorm, InstanceNorm, WeightNorm and SpectralNorm tests beside them (96 of 165, 35 of
-    # the suite's 61 s), which build none of the patched classes.
+    # BatchNorm, InstanceNorm, WeightNorm and SpectralNorm tests beside them (96 of the files'
+    # 165), which build none of the patched classes.
     "flax": (["flax/linen_test.py::NormalizationTest", "flax/normalization_test.py"],
              "layer_norm or rms_norm or group_norm or layernorm or rmsnorm or groupnorm"
              " or normalization_equivalence"),
