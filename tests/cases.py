@@ -232,9 +232,12 @@ def repeats_can_differ(implementation) -> bool:
   """Whether two runs of ``implementation`` on :data:`PLATFORM` could give different bits, so
   that a determinism test's repeated runs test something: the C++ kernels (a thread pool),
   XLA, and every implementation on a GPU or TPU. Not a Pallas or Mosaic GPU kernel
-  interpreted on the CPU: the interpreters run its programs one after another in one fixed
-  order, one thread each, uninitialized memory as NaN, so a repeat gives the first run's bits
-  by construction; the kernels' own determinism is tested where they run (a GPU or TPU)."""
+  interpreted on the CPU as the op suites run them (Pallas' ``interpret=True``, Mosaic GPU's
+  interpret mode with its default one thread): the interpreters run its programs one after
+  another in one fixed order, uninitialized memory as NaN, so a repeat gives the first run's
+  bits by construction; the kernels' own determinism is tested where they run (a GPU or TPU).
+  (The TPU interpret mode with simulated cores, tests/test_tpu_interpret.py, is another
+  matter: it does not use this.)"""
   return PLATFORM != "cpu" or implementation in (None, "ffi", "xla")
 
 
